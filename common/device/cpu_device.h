@@ -1,0 +1,50 @@
+#pragma once
+
+// CpuDevice: the Device on the host (always available). Device memory is host memory, so weights
+// are read in place (weightd's mapping, an mmapped checkpoint) and copies are memcpy.
+//
+// Streams execute synchronously: every copy and op runs to completion in the calling thread
+// before the call returns (ops split their work over the CpuWorkerPool given in the options, the
+// calling thread taking part). Events are therefore complete as soon as they are recorded and
+// Stream::WaitEvent never waits. Two threads driving two streams of one CpuDevice (dual-batch)
+// run their ops one at a time on the pool (see CpuPoolMutex).
+//
+// A memory budget makes the device behave like a small GPU (Allocate fails, AllocateBlocking
+// waits), and a copy bandwidth cap makes CopyToDevice take bytes / cap seconds, so SLP's overlap
+// of loading with compute is observable on a machine without a GPU.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/synchronization/mutex.h"
+
+#include "common/device/device.h"
+#include "common/engine/moe_cpu/cpu_worker_pool.h"
+#include "common/kernels/cpu/fp8_gemv.h"
+
+namespace hmoe {
+
+struct CpuDeviceOptions {
+  // Allocation budget in bytes; 0: unlimited.
+  size_t budget_bytes = 0;
+  // Bandwidth cap of CopyToDevice in bytes per second (the copy sleeps until bytes / cap seconds
+  // have passed since it started); 0: no cap. Other copies are not capped.
+  double copy_bytes_per_second = 0.0;
+  // Threads for the ops; not owned, must outlive the device. Null: ops run on the calling thread
+  // alone.
+  CpuWorkerPool* pool = nullptr;
+  // FP8 kernels; null: cpu::DefaultFp8Gemv().
+  const cpu::Fp8Gemv* fp8_gemv = nullptr;
+};
+
+// Never fails.
+std::unique_ptr<Device> NewCpuDevice(const CpuDeviceOptions& options = {});
+
+// The mutex that serializes CpuWorkerPool::Run on `pool` between threads: Run must not overlap,
+// so code that runs a pool from threads that may be concurrent (CpuDevice ops, the engine's
+// MoE on the same pool in dual-batch mode) holds this mutex around its Run calls. One mutex per
+// pool for the life of the process.
+absl::Mutex& CpuPoolMutex(const CpuWorkerPool* pool);
+
+}  // namespace hmoe

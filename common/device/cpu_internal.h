@@ -1,0 +1,63 @@
+#pragma once
+
+// Internals of CpuDevice shared between its source files: linear kernels over a LinearWeight of
+// any supported dtype, scratch memory, and the MLA attention implementation.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+
+#include "common/device/device.h"
+#include "common/kernels/cpu/bf16_gemv.h"
+#include "common/kernels/cpu/fp8_gemv.h"
+
+namespace hmoe::internal {
+
+// The kernels a CpuDevice computes with.
+struct CpuKernels {
+  const cpu::Fp8Gemv* fp8 = nullptr;
+  const cpu::Bf16Gemv* bf16 = nullptr;
+};
+
+// Runs job(thread, num_threads) on every thread of the device's pool (or on the caller alone).
+using ParallelRunner = absl::FunctionRef<void(absl::FunctionRef<void(int, int)>)>;
+
+// InvalidArgument unless `w` is a usable FP8 / BF16 / F32 weight view.
+absl::Status CheckLinearWeight(const LinearWeight& w, const char* what);
+
+// Bytes of one packed activation row of w.cols elements for `w`'s dtype (0 for F32: the F32 path
+// reads the activations directly).
+int64_t PackedRowBytes(const CpuKernels& k, const LinearWeight& w);
+// Packs rows x[t * x_stride ..+ w.cols] for t < n into packed + t * packed_stride.
+void PackRows(const CpuKernels& k, const LinearWeight& w, const float* x, int64_t x_stride,
+              int64_t n, std::byte* packed, int64_t packed_stride);
+// y[t * y_stride + (m - m_begin)] = (W x_t)[m] for t < n and m in [m_begin, m_end), from the
+// packed rows (FP8/BF16) or x itself (F32). Single-threaded.
+void LinearRows(const CpuKernels& k, const LinearWeight& w, const std::byte* packed,
+                int64_t packed_stride, const float* x, int64_t x_stride, int64_t n,
+                int64_t m_begin, int64_t m_end, float* y, int64_t y_stride);
+
+// A 64-byte aligned buffer that grows on demand (per thread; never shrinks).
+class ScratchBuffer {
+ public:
+  std::byte* Get(size_t bytes);
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  size_t size_ = 0;
+};
+
+// Weight-absorbed MLA attention (both device ops). `decode` groups single queries of different
+// segments (up to 8 per group) so W_UK^T/W_UV are read once per group; otherwise queries are
+// grouped per segment in tiles of 32 and keys are processed block by block with an online softmax
+// (no N x N scores).
+absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
+                             const MlaAttentionArgs& args, bool decode);
+
+}  // namespace hmoe::internal

@@ -1,0 +1,274 @@
+// Weight-absorbed MLA attention on the CPU (MODEL-SPEC §3.7), for both device ops.
+//
+// Work is split into tasks (head h, group of query rows). A task:
+//   1. q~ = W_UK_h^T q_nope for the group's rows (one matrix-vector pass over W_UK_h^T for up to
+//      the whole group), stored next to q_pe so one dot product against a cache row
+//      [latent | k_pe] gives the whole score;
+//   2. walks the keys of each sequence block by block (the cache's own blocks), scoring up to four
+//      rows of the same sequence against each key with shared loads, with an online softmax
+//      (running max and sum per row; the accumulator u is rescaled once per block), so no
+//      N x N score matrix ever exists;
+//   3. out_h = W_UV_h (u / sum) for the group's rows.
+// Tasks are handed out dynamically (an atomic counter) over the pool's threads, largest first.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+#include "common/base/logging.h"
+#include "common/base/status_macros.h"
+#include "common/device/cpu_internal.h"
+#include "common/kernels/cpu/f32_ops.h"
+
+namespace hmoe::internal {
+namespace {
+
+constexpr int64_t kDecodeGroupRows = 8;
+constexpr int64_t kPrefillGroupRows = 32;
+
+// A query row of a group.
+struct Row {
+  int64_t row = 0;      // row of q and out
+  int64_t segment = 0;  // its segment
+  int64_t pos = 0;      // its absolute position (it sees keys 0..pos)
+};
+
+struct Group {
+  int64_t begin = 0;  // into the row list
+  int64_t count = 0;
+  int64_t max_pos = 0;
+};
+
+struct ThreadScratch {
+  ScratchBuffer qn, packed, qcat, acc, scores, stats, out;
+};
+
+thread_local ThreadScratch tls_scratch;
+
+absl::Status Validate(const MlaAttentionArgs& a) {
+  const MlaDimensions& d = a.dims;
+  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
+      d.kv_lora_rank <= 0) {
+    return absl::InvalidArgumentError("mla attention: non-positive dimension");
+  }
+  if (a.q == nullptr || a.out == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
+      a.out_stride < d.num_heads * d.v_dim) {
+    return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
+  }
+  if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("mla attention: ", a.w_uk_t.size(),
+                                                   " W_UK^T heads, expected ", d.num_heads));
+  }
+  for (const LinearWeight& w : a.w_uk_t) {
+    HMOE_RETURN_IF_ERROR(CheckLinearWeight(w, "mla attention W_UK^T"));
+    if (w.rows != d.kv_lora_rank || w.cols != d.nope_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("mla attention: W_UK^T is [", w.rows, ", ",
+                                                     w.cols, "], expected [", d.kv_lora_rank,
+                                                     ", ", d.nope_dim, "]"));
+    }
+  }
+  HMOE_RETURN_IF_ERROR(CheckLinearWeight(a.kv_b, "mla attention kv_b"));
+  if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
+    return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+  }
+  if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
+      a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
+      a.cache.block_stride < a.cache.block_size * a.cache.row_floats) {
+    return absl::InvalidArgumentError("mla attention: bad cache view");
+  }
+  if (!a.segments.empty() && a.block_tables == nullptr) {
+    return absl::InvalidArgumentError("mla attention: no block tables");
+  }
+  for (const MlaSegment& s : a.segments) {
+    if (s.num_queries < 0 || s.start_pos < 0 || s.query_begin < 0 || s.block_table_offset < 0) {
+      return absl::InvalidArgumentError("mla attention: bad segment");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Sequence rows of one segment, [begin, begin + count) of the group, processed together.
+void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const Row* rows, int64_t count,
+               const float* qcat, float* acc, float* scores, float* row_max, float* row_sum) {
+  const MlaDimensions& d = a.dims;
+  const int64_t rf = a.cache.row_floats;
+  const int64_t rkv = d.kv_lora_rank;
+  const int64_t bs = a.cache.block_size;
+  const int32_t* table = a.block_tables + seg.block_table_offset;
+  int64_t max_pos = 0;
+  for (int64_t r = 0; r < count; ++r) max_pos = std::max(max_pos, rows[r].pos);
+  const int64_t num_keys = max_pos + 1;
+  const float scale = d.softmax_scale;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for (int64_t k0 = 0; k0 < num_keys; k0 += bs) {
+    const int64_t nk = std::min(bs, num_keys - k0);
+    const float* keys = a.cache.base + static_cast<int64_t>(table[k0 / bs]) * a.cache.block_stride;
+    // Scores [count][nk], masked (causal) to -inf.
+    int64_t r = 0;
+    for (; r + 4 <= count; r += 4) {
+      for (int64_t j = 0; j < nk; ++j) {
+        float s4[4];
+        cpu::Dot4F32(qcat + r * rf, rf, keys + j * rf, rf, s4);
+        for (int i = 0; i < 4; ++i) {
+          scores[(r + i) * bs + j] = k0 + j <= rows[r + i].pos ? s4[i] * scale : neg_inf;
+        }
+      }
+    }
+    for (; r < count; ++r) {
+      for (int64_t j = 0; j < nk; ++j) {
+        scores[r * bs + j] =
+            k0 + j <= rows[r].pos ? cpu::DotF32(qcat + r * rf, keys + j * rf, rf) * scale : neg_inf;
+      }
+    }
+    // Online softmax: rescale each row's accumulator to the new running max.
+    for (r = 0; r < count; ++r) {
+      float* s = scores + r * bs;
+      float block_max = neg_inf;
+      for (int64_t j = 0; j < nk; ++j) block_max = std::max(block_max, s[j]);
+      if (block_max == neg_inf) {
+        for (int64_t j = 0; j < nk; ++j) s[j] = 0.0f;
+        continue;
+      }
+      if (block_max > row_max[r]) {
+        const float correction = row_max[r] == neg_inf ? 0.0f : std::exp(row_max[r] - block_max);
+        if (correction != 1.0f) {
+          float* u = acc + r * rkv;
+          for (int64_t i = 0; i < rkv; ++i) u[i] *= correction;
+          row_sum[r] *= correction;
+        }
+        row_max[r] = block_max;
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < nk; ++j) {
+        s[j] = s[j] == neg_inf ? 0.0f : std::exp(s[j] - row_max[r]);
+        sum += s[j];
+      }
+      row_sum[r] += sum;
+    }
+    // u += p c over the latent part of the keys.
+    r = 0;
+    for (; r + 4 <= count; r += 4) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const float p[4] = {scores[r * bs + j], scores[(r + 1) * bs + j],
+                            scores[(r + 2) * bs + j], scores[(r + 3) * bs + j]};
+        cpu::Axpy4F32(p, keys + j * rf, acc + r * rkv, rkv, rkv);
+      }
+    }
+    for (; r < count; ++r) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const float p = scores[r * bs + j];
+        if (p != 0.0f) cpu::AxpyF32(p, keys + j * rf, acc + r * rkv, rkv);
+      }
+    }
+  }
+}
+
+void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const std::vector<Row>& rows,
+             const Group& g, int64_t head) {
+  const MlaDimensions& d = a.dims;
+  const int64_t n = g.count;
+  const int64_t rf = a.cache.row_floats;
+  const int64_t rkv = d.kv_lora_rank;
+  const int64_t dq = d.nope_dim + d.rope_dim;
+  const Row* grow = rows.data() + g.begin;
+  ThreadScratch& ts = tls_scratch;
+
+  // 1. q~ = W_UK_h^T q_nope, next to q_pe.
+  const LinearWeight& uk = a.w_uk_t[head];
+  float* qn = reinterpret_cast<float*>(ts.qn.Get(n * d.nope_dim * sizeof(float)));
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(qn + r * d.nope_dim, a.q + grow[r].row * a.q_stride + head * dq,
+                d.nope_dim * sizeof(float));
+  }
+  const int64_t uk_stride = PackedRowBytes(k, uk);
+  const int64_t uv_stride = PackedRowBytes(k, a.kv_b);
+  std::byte* packed = ts.packed.Get(std::max<int64_t>(64, n * std::max(uk_stride, uv_stride)));
+  PackRows(k, uk, qn, d.nope_dim, n, packed, uk_stride);
+  float* qcat = reinterpret_cast<float*>(ts.qcat.Get(n * rf * sizeof(float)));
+  LinearRows(k, uk, packed, uk_stride, qn, d.nope_dim, n, 0, rkv, qcat, rf);
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(qcat + r * rf + rkv, a.q + grow[r].row * a.q_stride + head * dq + d.nope_dim,
+                d.rope_dim * sizeof(float));
+  }
+
+  // 2. Attention over the cache, per run of rows of one segment.
+  float* acc = reinterpret_cast<float*>(ts.acc.Get(n * rkv * sizeof(float)));
+  std::fill(acc, acc + n * rkv, 0.0f);
+  float* scores = reinterpret_cast<float*>(ts.scores.Get(n * a.cache.block_size * sizeof(float)));
+  float* stats = reinterpret_cast<float*>(ts.stats.Get(2 * n * sizeof(float)));
+  float* row_max = stats;
+  float* row_sum = stats + n;
+  std::fill(row_max, row_max + n, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + n, 0.0f);
+  for (int64_t r0 = 0; r0 < n;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < n && grow[r1].segment == grow[r0].segment) ++r1;
+    AttendRun(a, a.segments[grow[r0].segment], grow + r0, r1 - r0, qcat + r0 * rf,
+              acc + r0 * rkv, scores + r0 * a.cache.block_size, row_max + r0, row_sum + r0);
+    r0 = r1;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const float inv = 1.0f / row_sum[r];  // > 0: every row sees at least key 0
+    float* u = acc + r * rkv;
+    for (int64_t i = 0; i < rkv; ++i) u[i] *= inv;
+  }
+
+  // 3. out_h = W_UV_h u.
+  PackRows(k, a.kv_b, acc, rkv, n, packed, uv_stride);
+  float* o = reinterpret_cast<float*>(ts.out.Get(n * d.v_dim * sizeof(float)));
+  const int64_t uv_begin = head * (d.nope_dim + d.v_dim) + d.nope_dim;
+  LinearRows(k, a.kv_b, packed, uv_stride, acc, rkv, n, uv_begin, uv_begin + d.v_dim, o, d.v_dim);
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(a.out + grow[r].row * a.out_stride + head * d.v_dim, o + r * d.v_dim,
+                d.v_dim * sizeof(float));
+  }
+}
+
+}  // namespace
+
+absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
+                             const MlaAttentionArgs& args, bool decode) {
+  HMOE_RETURN_IF_ERROR(Validate(args));
+  // Rows in segment order; groups of rows.
+  std::vector<Row> rows;
+  std::vector<Group> groups;
+  const int64_t limit = decode ? kDecodeGroupRows : kPrefillGroupRows;
+  for (int64_t s = 0; s < static_cast<int64_t>(args.segments.size()); ++s) {
+    const MlaSegment& seg = args.segments[s];
+    for (int64_t i = 0; i < seg.num_queries; ++i) {
+      // A new group when the current one is full, or (prefill) at a new segment.
+      if (groups.empty() || groups.back().count == limit ||
+          (!decode && rows.back().segment != s)) {
+        groups.push_back(Group{static_cast<int64_t>(rows.size()), 0, 0});
+      }
+      rows.push_back(Row{seg.query_begin + i, s, seg.start_pos + i});
+      Group& g = groups.back();
+      ++g.count;
+      g.max_pos = std::max(g.max_pos, seg.start_pos + i);
+    }
+  }
+  if (rows.empty()) return absl::OkStatus();
+  // Largest groups (most keys) first, for balance.
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const Group& x, const Group& y) { return x.max_pos > y.max_pos; });
+  const int64_t heads = args.dims.num_heads;
+  const int64_t num_tasks = static_cast<int64_t>(groups.size()) * heads;
+  std::atomic<int64_t> next{0};
+  run([&](int, int) {
+    while (true) {
+      // Relaxed: the counter only hands out task indices; inputs were published by the pool.
+      const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
+      if (task >= num_tasks) return;
+      RunTask(kernels, args, rows, groups[task / heads], task % heads);
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace hmoe::internal

@@ -1,0 +1,14 @@
+// Linked instead of cuda_device.cc when the build has no CUDA (HMOE_WITH_CUDA off), so callers
+// and headers never need an #ifdef.
+
+#include "common/device/device.h"
+
+namespace hmoe {
+
+int CudaDeviceCount() { return 0; }
+
+absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int /*ordinal*/, size_t /*budget_bytes*/) {
+  return absl::UnavailableError("built without CUDA (HMOE_CUDA=OFF or no nvcc)");
+}
+
+}  // namespace hmoe

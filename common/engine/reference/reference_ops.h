@@ -1,0 +1,134 @@
+#pragma once
+
+// The plain FP32 building blocks of the DeepSeek-V3 forward pass (MODEL-SPEC.md §3): the oracle
+// every optimized kernel is tested against. Clarity wins over speed: scalar loops, dot products
+// accumulated in double, no SIMD, no threads.
+//
+// Conventions: matrices are row-major float spans; `Linear` computes y = W x for W [out, in]
+// (PyTorch layout). Size mismatches between spans are programmer errors (HMOE_CHECK), never
+// data errors. All functions are thread-compatible (no shared state).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/model/model_config.h"
+
+namespace hmoe::reference {
+
+// y_i = weight_i * x_i / sqrt(mean_j(x_j^2) + eps). `out` may alias `x`.
+void RmsNorm(std::span<const float> x, std::span<const float> weight, float eps,
+             std::span<float> out);
+
+// y = W x with W row-major [out_dim, in_dim]; y.size() == out_dim, x.size() == in_dim.
+// `y` must not alias `x`.
+void Linear(std::span<const float> w, int64_t out_dim, int64_t in_dim, std::span<const float> x,
+            std::span<float> y);
+
+// silu(z) = z / (1 + e^-z).
+float Silu(float z);
+
+// In-place softmax over `x` (max-subtracted). Entries equal to -infinity get probability 0; at
+// least one entry must be finite.
+void Softmax(std::span<float> x);
+
+// Dense SwiGLU MLP (MODEL-SPEC §3.8): y = W_down (silu(W_gate x) * (W_up x)).
+// gate/up are [inter, hidden], down is [hidden, inter]; x has `hidden`, y has `hidden` entries.
+void SwiGluMlp(std::span<const float> gate, std::span<const float> up, std::span<const float> down,
+               int64_t hidden, int64_t inter, std::span<const float> x, std::span<float> y);
+
+// ---------------------------------------------------------------------------------- RoPE / YaRN
+
+// YaRN correction range (MODEL-SPEC §3.4) for rotary dimension `rope_dim` (even), base
+// `rope_theta`: low = max(floor(corr(beta_fast)), 0), high = min(ceil(corr(beta_slow)),
+// rope_dim - 1), high += 0.001 when low == high.
+struct YarnCorrectionRange {
+  double low = 0;
+  double high = 0;
+};
+YarnCorrectionRange YarnRange(int64_t rope_dim, double rope_theta, const YarnConfig& yarn);
+
+// The rope_dim/2 inverse frequencies of the rotary pairs. Plain RoPE (base^(-2i/dim)) when
+// config.rope_scaling.enabled is false, else YaRN's blend of extrapolated and interpolated
+// frequencies (MODEL-SPEC §3.4). Computed in double, returned as float.
+std::vector<float> YarnInvFreq(const ModelConfig& config);
+
+// YaRN's cos/sin multiplier: g(f, mscale) / g(f, mscale_all_dim) with g(s, m) = 1 if s <= 1 else
+// 0.1 m ln s + 1 (1.0 for DeepSeek-V3 and Kimi-K2). 1.0 without YaRN.
+double YarnAttentionFactor(const ModelConfig& config);
+
+// MLA softmax scale: qk_head_dim^-0.5 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1 when
+// YaRN is on, factor > 1 and mscale_all_dim != 0 (as Hugging Face does); else qk_head_dim^-0.5.
+// DeepSeek-V3: 0.1352338. Computed independently of ModelConfig::softmax_scale() on purpose.
+double MlaSoftmaxScale(const ModelConfig& config);
+
+// Rotates `vec` (rope_dim values, interleaved pairs (x[2i], x[2i+1]) as stored in the checkpoint)
+// in place by angle pos * inv_freq[i] and multiplies by `attention_factor`:
+//   x'[2i] = (x[2i] cos - x[2i+1] sin) * af,  x'[2i+1] = (x[2i] sin + x[2i+1] cos) * af.
+// vec.size() == 2 * inv_freq.size(). Angles are computed in double.
+void ApplyRopeInterleaved(std::span<float> vec, int64_t pos, std::span<const float> inv_freq,
+                          float attention_factor);
+
+// ---------------------------------------------------------------------------------- MoE router
+
+struct MoeGateParams {
+  int64_t num_experts = 0;     // E
+  int64_t top_k = 0;           // K = num_experts_per_tok
+  int64_t n_group = 1;         // E % n_group == 0
+  int64_t topk_group = 1;      // groups kept
+  bool norm_topk_prob = true;  // renormalize the K selected weights to sum 1
+  double routed_scaling_factor = 1.0;
+};
+MoeGateParams MoeGateParamsFromConfig(const ModelConfig& config);
+
+struct MoeGateResult {
+  // The K selected experts in descending order of biased score (ties: lower id first).
+  std::vector<int32_t> experts;
+  // Their combine weights: unbiased sigmoid scores, normalized (if norm_topk_prob), times
+  // routed_scaling_factor. Same order as `experts`.
+  std::vector<float> weights;
+};
+
+// noaux_tc routing (MODEL-SPEC §3.9) from the router logits (W_router x, E values) and the
+// e_score_correction_bias (E values, or empty for none). s = sigmoid(logits) gives the weights;
+// b = s + bias is used only for selection: group score = sum of the two largest b of the group
+// (the largest alone when a group has one expert), the topk_group best groups are kept (ties:
+// lower group first), experts of the other groups are excluded (-inf), and the K largest
+// remaining b are chosen. Requires topk_group * E / n_group >= K.
+MoeGateResult MoeGate(std::span<const float> router_logits, std::span<const float> bias,
+                      const MoeGateParams& params);
+
+// ---------------------------------------------------------------------------------- MLA attention
+
+struct MlaDims {
+  int64_t num_heads = 0;     // nh
+  int64_t nope_dim = 0;      // dn
+  int64_t rope_dim = 0;      // dr
+  int64_t v_dim = 0;         // dv
+  int64_t kv_lora_rank = 0;  // Rkv
+  float softmax_scale = 1.0f;
+};
+MlaDims MlaDimsFromConfig(const ModelConfig& config);
+
+// Attention of a block of `n` new query tokens at absolute positions start_pos .. start_pos+n-1
+// against a latent KV cache that already holds all keys 0 .. start_pos+n-1 (the new tokens'
+// entries included). Query i sees keys 0 .. start_pos+i (causal).
+//   q_nope  [n, nh, dn]                     non-rotary query parts
+//   q_pe    [n, nh, dr]                     rotary query parts, already rotated
+//   latent  [>= start_pos+n, Rkv]           normalized latents c (cache rows)
+//   k_pe    [>= start_pos+n, dr]            rotated rope keys (cache rows)
+//   wkv_b   [nh * (dn + dv), Rkv]           per head: W_UK rows then W_UV rows
+//   out     [n, nh * dv]                    per-head outputs, before o_proj
+// Naive form (MODEL-SPEC §3.6): k_nope = W_UK c, v = W_UV c per key, then standard attention.
+void MlaAttentionNaive(const MlaDims& dims, int64_t n, int64_t start_pos,
+                       std::span<const float> q_nope, std::span<const float> q_pe,
+                       std::span<const float> latent, std::span<const float> k_pe,
+                       std::span<const float> wkv_b, std::span<float> out);
+// Weight-absorbed form (MODEL-SPEC §3.7): q~ = W_UK^T q_nope scores against c directly,
+// u = sum_s P c_s, o = W_UV u. Same contract and, up to rounding, same result as the naive form.
+void MlaAttentionAbsorbed(const MlaDims& dims, int64_t n, int64_t start_pos,
+                          std::span<const float> q_nope, std::span<const float> q_pe,
+                          std::span<const float> latent, std::span<const float> k_pe,
+                          std::span<const float> wkv_b, std::span<float> out);
+
+}  // namespace hmoe::reference

@@ -1,0 +1,79 @@
+#include "common/kernels/cpu/f32_ops.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace hmoe::cpu {
+namespace {
+
+bool DetectAvx512() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl")) {
+    return false;
+  }
+  const char* env = std::getenv("HMOE_CPU_ISA");
+  // The same knob as the FP8 kernels: "scalar" and "avx2" lower the choice.
+  if (env != nullptr && (std::strcmp(env, "scalar") == 0 || std::strcmp(env, "avx2") == 0)) {
+    return false;
+  }
+  return true;
+}
+
+const bool kUseAvx512 = DetectAvx512();
+
+}  // namespace
+
+bool F32OpsUseAvx512() { return kUseAvx512; }
+
+float DotF32(const float* a, const float* b, int64_t n) {
+  if (kUseAvx512) return internal::DotF32Avx512(a, b, n);
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+void Dot4F32(const float* q, int64_t q_stride, const float* k, int64_t n, float* out) {
+  if (kUseAvx512) return internal::Dot4F32Avx512(q, q_stride, k, n, out);
+  for (int j = 0; j < 4; ++j) out[j] = DotF32(q + j * q_stride, k, n);
+}
+
+void AxpyF32(float a, const float* x, float* y, int64_t n) {
+  if (kUseAvx512) return internal::AxpyF32Avx512(a, x, y, n);
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void Axpy4F32(const float* a, const float* x, float* y, int64_t y_stride, int64_t n) {
+  if (kUseAvx512) return internal::Axpy4F32Avx512(a, x, y, y_stride, n);
+  for (int j = 0; j < 4; ++j) AxpyF32(a[j], x, y + j * y_stride, n);
+}
+
+float DotBf16F32(const std::byte* w, const float* x, int64_t n) {
+  if (kUseAvx512) return internal::DotBf16F32Avx512(w, x, n);
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t b;
+    std::memcpy(&b, w + 2 * i, sizeof(b));
+    uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    acc += f * x[i];
+  }
+  return acc;
+}
+
+void MatVecF32(const float* w, int64_t row_stride, int64_t cols, const float* x, int64_t x_stride,
+               int64_t n, int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const float* row = w + m * row_stride;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      float out[4];
+      Dot4F32(x + t * x_stride, x_stride, row, cols, out);
+      for (int j = 0; j < 4; ++j) y[(t + j) * y_stride + (m - m_begin)] = out[j];
+    }
+    for (; t < n; ++t) y[t * y_stride + (m - m_begin)] = DotF32(x + t * x_stride, row, cols);
+  }
+}
+
+}  // namespace hmoe::cpu

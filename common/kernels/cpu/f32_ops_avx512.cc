@@ -1,0 +1,147 @@
+// AVX-512F implementations of f32_ops.h, compiled with -mavx512f (see CMakeLists.txt) and called
+// only after a CPU check. No standard-library templates here (an inline function instantiated
+// with AVX-512 flags could be the copy the linker keeps for the whole program).
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/kernels/cpu/f32_ops.h"
+
+namespace hmoe::cpu::internal {
+namespace {
+
+inline __attribute__((always_inline)) float ReduceAdd(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4e));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xb1));
+  return _mm512_cvtss_f32(v);
+}
+
+inline __attribute__((always_inline)) __mmask16 TailMask(int64_t rest) {
+  return static_cast<__mmask16>((1u << rest) - 1u);
+}
+
+}  // namespace
+
+float DotF32Avx512(const float* a, const float* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps();
+  __m512 acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+  }
+  if (i < n) {
+    const __mmask16 m = TailMask(n - i);
+    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc1);
+  }
+  return ReduceAdd(_mm512_add_ps(acc0, acc1));
+}
+
+void Dot4F32Avx512(const float* q, int64_t q_stride, const float* k, int64_t n, float* out) {
+  __m512 acc0 = _mm512_setzero_ps();
+  __m512 acc1 = _mm512_setzero_ps();
+  __m512 acc2 = _mm512_setzero_ps();
+  __m512 acc3 = _mm512_setzero_ps();
+  const float* q0 = q;
+  const float* q1 = q + q_stride;
+  const float* q2 = q + 2 * q_stride;
+  const float* q3 = q + 3 * q_stride;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 kv = _mm512_loadu_ps(k + i);
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), kv, acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), kv, acc1);
+    acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), kv, acc2);
+    acc3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), kv, acc3);
+  }
+  if (i < n) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 kv = _mm512_maskz_loadu_ps(m, k + i);
+    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q0 + i), kv, acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q1 + i), kv, acc1);
+    acc2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q2 + i), kv, acc2);
+    acc3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q3 + i), kv, acc3);
+  }
+  out[0] = ReduceAdd(acc0);
+  out[1] = ReduceAdd(acc1);
+  out[2] = ReduceAdd(acc2);
+  out[3] = ReduceAdd(acc3);
+}
+
+void AxpyF32Avx512(float a, const float* x, float* y, int64_t n) {
+  const __m512 av = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  }
+  if (i < n) {
+    const __mmask16 m = TailMask(n - i);
+    _mm512_mask_storeu_ps(
+        y + i, m,
+        _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+void Axpy4F32Avx512(const float* a, const float* x, float* y, int64_t y_stride, int64_t n) {
+  const __m512 a0 = _mm512_set1_ps(a[0]);
+  const __m512 a1 = _mm512_set1_ps(a[1]);
+  const __m512 a2 = _mm512_set1_ps(a[2]);
+  const __m512 a3 = _mm512_set1_ps(a[3]);
+  float* y0 = y;
+  float* y1 = y + y_stride;
+  float* y2 = y + 2 * y_stride;
+  float* y3 = y + 3 * y_stride;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    _mm512_storeu_ps(y0 + i, _mm512_fmadd_ps(a0, xv, _mm512_loadu_ps(y0 + i)));
+    _mm512_storeu_ps(y1 + i, _mm512_fmadd_ps(a1, xv, _mm512_loadu_ps(y1 + i)));
+    _mm512_storeu_ps(y2 + i, _mm512_fmadd_ps(a2, xv, _mm512_loadu_ps(y2 + i)));
+    _mm512_storeu_ps(y3 + i, _mm512_fmadd_ps(a3, xv, _mm512_loadu_ps(y3 + i)));
+  }
+  if (i < n) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+    _mm512_mask_storeu_ps(y0 + i, m, _mm512_fmadd_ps(a0, xv, _mm512_maskz_loadu_ps(m, y0 + i)));
+    _mm512_mask_storeu_ps(y1 + i, m, _mm512_fmadd_ps(a1, xv, _mm512_maskz_loadu_ps(m, y1 + i)));
+    _mm512_mask_storeu_ps(y2 + i, m, _mm512_fmadd_ps(a2, xv, _mm512_maskz_loadu_ps(m, y2 + i)));
+    _mm512_mask_storeu_ps(y3 + i, m, _mm512_fmadd_ps(a3, xv, _mm512_maskz_loadu_ps(m, y3 + i)));
+  }
+}
+
+float DotBf16F32Avx512(const std::byte* w, const float* x, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps();
+  __m512 acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i wv = _mm512_loadu_si512(w + 2 * i);
+    // Low and high 16 BF16 of the 32: widen to 32-bit lanes, shift into the F32 high half.
+    const __m512 w0 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(wv)), 16));
+    const __m512 w1 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(wv, 1)), 16));
+    acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i), acc0);
+    acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i + 16), acc1);
+  }
+  for (; i < n; i += 16) {
+    const int64_t rest = n - i < 16 ? n - i : 16;
+    const __mmask16 m = TailMask(rest);
+    const __m256i wv = _mm256_maskz_loadu_epi16(m, w + 2 * i);
+    const __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(wv), 16));
+    acc0 = _mm512_fmadd_ps(wf, _mm512_maskz_loadu_ps(m, x + i), acc0);
+  }
+  return ReduceAdd(_mm512_add_ps(acc0, acc1));
+}
+
+}  // namespace hmoe::cpu::internal

@@ -1,0 +1,352 @@
+#pragma once
+
+// The AVX-512 variants of Fp8Gemv, as templates included by exactly two files:
+// fp8_gemv_avx512.cc (AVX-512 F/BW/VL/VBMI: F32 FMAs) and fp8_gemv_avx512bf16.cc (plus
+// AVX512_BF16: vdpbf16ps). Each file compiles them with its own ISA flags into an anonymous
+// namespace, so the two copies never meet at link time. Keep standard-library templates out of
+// here: an inline function instantiated with AVX-512 flags could be the copy the linker keeps for
+// the whole program.
+//
+// Expansion (both variants): per 64 weight bytes, two vpermi2b lookups give the low and the high
+// byte of each weight's BF16 (tables indexed by the 7 magnitude bits), one vpternlogd adds the
+// sign, and vpunpck{l,h}bw interleave the bytes into two vectors A and B of 32 BF16. Per 128-bit
+// lane L they hold the weights 16L..16L+7 (A) and 16L+8..16L+15 (B). Pack stores the activation in
+// that order, so no weight needs un-permuting:
+// - BF16 variant: per 64 columns, 32 BF16 matching A then 32 matching B (128 bytes);
+//   vdpbf16ps multiplies pairs and accumulates into F32.
+// - F32 variant (CPUs without AVX512_BF16, e.g. Ice Lake): the BF16 words of A are split into the
+//   even words (<< 16) and odd words (& 0xffff0000), both exact F32, and multiplied by F32
+//   activations stored as [A even 16][A odd 16][B even 16][B odd 16] (256 bytes per 64 columns).
+// Each 128-wide block of a row accumulates in F32 and is scaled once ("post-scaling").
+//
+// Before including, define HMOE_FP8_AVX512_BF16 to 0 or 1.
+
+// GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593) when they
+// are inlined into our functions; the location is inside the intrinsics headers.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "common/kernels/cpu/fp8_gemv.h"
+
+#ifndef HMOE_FP8_AVX512_BF16
+#error "define HMOE_FP8_AVX512_BF16 before including fp8_gemv_avx512_impl.h"
+#endif
+
+#define HMOE_AVX512_INLINE inline __attribute__((always_inline))
+
+namespace hmoe::cpu::internal {
+namespace {
+
+constexpr bool kBf16Dot = HMOE_FP8_AVX512_BF16 != 0;
+constexpr int64_t kScaleBlock = 128;
+constexpr int64_t kChunk = 64;  // weight bytes per vector
+// Bytes of packed activation per 64 columns.
+constexpr int64_t kPackedChunkBytes = kBf16Dot ? 128 : 256;
+#ifndef HMOE_PF_PER_ROW
+#define HMOE_PF_PER_ROW 0
+#endif
+constexpr bool kPrefetchPerRow = HMOE_PF_PER_ROW;
+
+// float -> BF16 bits, round to nearest even, NaN stays quiet NaN. A private copy of
+// kernels::FloatToBf16Bits: an inline function from a shared header compiled here could be the
+// copy every other file links to.
+uint16_t ToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// BF16 bit pattern of the E4M3FN magnitude `code` (0..127); 0x7F is NaN.
+constexpr uint16_t E4M3MagnitudeToBf16(int code) {
+  const int exponent = code >> 3;
+  const int mantissa = code & 7;
+  if (exponent == 15 && mantissa == 7) return 0x7fc0;
+  if (exponent == 0) {
+    if (mantissa == 0) return 0;
+    // mantissa * 2^-9 = 1.f * 2^(p - 9) with p the top set bit of the mantissa.
+    const int p = mantissa >= 4 ? 2 : (mantissa >= 2 ? 1 : 0);
+    const int fraction = (mantissa - (1 << p)) << (7 - p);
+    return static_cast<uint16_t>(((127 + p - 9) << 7) | fraction);
+  }
+  return static_cast<uint16_t>(((exponent + 120) << 7) | (mantissa << 4));
+}
+
+struct alignas(64) Bf16Tables {
+  uint8_t lo[128];
+  uint8_t hi[128];
+};
+
+constexpr Bf16Tables MakeTables() {
+  Bf16Tables t{};
+  for (int i = 0; i < 128; ++i) {
+    t.lo[i] = static_cast<uint8_t>(E4M3MagnitudeToBf16(i) & 0xff);
+    t.hi[i] = static_cast<uint8_t>(E4M3MagnitudeToBf16(i) >> 8);
+  }
+  return t;
+}
+
+constexpr Bf16Tables kTables = MakeTables();
+
+struct Expander {
+  __m512i lo0, lo1, hi0, hi1, sign, high_words;
+
+  HMOE_AVX512_INLINE Expander()
+      : lo0(_mm512_load_si512(kTables.lo)),
+        lo1(_mm512_load_si512(kTables.lo + 64)),
+        hi0(_mm512_load_si512(kTables.hi)),
+        hi1(_mm512_load_si512(kTables.hi + 64)),
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))),
+        high_words(_mm512_set1_epi32(static_cast<int>(0xffff0000u))) {}
+
+  // 64 FP8 codes -> two vectors of 32 BF16 (see the file comment for the order).
+  HMOE_AVX512_INLINE void Expand(__m512i w, __m512i* a, __m512i* b) const {
+    // vpermi2b overwrites its index operand. Through the intrinsic GCC 12 reloads the weights from
+    // memory for each use (three loads per vector). The empty asm makes `w` a value the compiler
+    // cannot re-load, so the copies below become register moves.
+    asm("" : "+v"(w));
+    __m512i lo = w;
+    __m512i hi = w;
+    asm("vpermi2b %2, %1, %0" : "+v"(lo) : "v"(lo0), "v"(lo1));
+    asm("vpermi2b %2, %1, %0" : "+v"(hi) : "v"(hi0), "v"(hi1));
+    hi = _mm512_ternarylogic_epi32(hi, w, sign, 0xf8);  // hi | (w & sign)
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+  }
+
+  // acc += dot(weights of `wv`, activations at x) for 32 BF16 weights; x is this half's packed
+  // activation (64 bytes of BF16, or 128 bytes of F32 for the F32 variant).
+  HMOE_AVX512_INLINE __m512 Dot(__m512 acc, __m512i wv, const std::byte* x) const {
+#if HMOE_FP8_AVX512_BF16
+    return _mm512_dpbf16_ps(acc, (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x));
+#else
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high_words));
+    acc = _mm512_fmadd_ps(even, _mm512_loadu_ps(reinterpret_cast<const float*>(x)), acc);
+    return _mm512_fmadd_ps(odd, _mm512_loadu_ps(reinterpret_cast<const float*>(x) + 16), acc);
+#endif
+  }
+};
+
+struct TileArgs {
+  const uint8_t* w;       // first row of the tile
+  int64_t row_stride;     // bytes
+  int64_t k;              // columns
+  const float* scales;    // the tile's row of scale blocks
+  const std::byte* x;     // packed activation of token 0
+  int64_t x_stride;       // bytes between tokens
+  float* y;               // output of (row 0, token 0)
+  int64_t y_stride;       // floats between tokens
+  const uint8_t* pf;      // where this tile's prefetch stream starts
+  const uint8_t* pf_end;  // no prefetch at or beyond this address
+  int64_t pf_step;        // prefetch stream advance per 64-column step
+  int64_t pf_row;         // distance between the R lines prefetched per step
+};
+
+// One 64-column step of an R-row x N-token tile; kMasked loads only `mask`'s bytes.
+template <int R, int N, bool kMasked>
+HMOE_AVX512_INLINE void Step(const TileArgs& a, const Expander& ex, int64_t c, __mmask64 mask,
+                             __m512 (&acc)[R][N]) {
+  const std::byte* xc = a.x + c * kPackedChunkBytes;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* p = a.w + r * a.row_stride + c * kChunk;
+    const __m512i w = kMasked ? _mm512_maskz_loadu_epi8(mask, p) : _mm512_loadu_si512(p);
+    __m512i wa, wb;
+    ex.Expand(w, &wa, &wb);
+    for (int t = 0; t < N; ++t) {
+      const std::byte* xt = xc + t * a.x_stride;
+      acc[r][t] = ex.Dot(acc[r][t], wa, xt);
+      acc[r][t] = ex.Dot(acc[r][t], wb, xt + kPackedChunkBytes / 2);
+    }
+  }
+  // Prefetch of the next tile's rows: R lines per step keeps pace with the R rows (see MatVecN).
+  const uint8_t* pf = a.pf + c * a.pf_step;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* line = pf + r * a.pf_row;
+    if (line < a.pf_end) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
+}
+
+// Sum of the 16 lanes. (_mm512_reduce_add_ps trips GCC 12's -Wuninitialized.)
+HMOE_AVX512_INLINE float ReduceAdd(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e));  // + the other 256-bit half
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));  // + the neighbouring 128-bit lane
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4e));        // + the other 64 bits of the lane
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xb1));        // + the neighbouring float
+  return _mm512_cvtss_f32(v);
+}
+
+template <int R, int N>
+HMOE_AVX512_INLINE void ScaleInto(const __m512 (&blk)[R][N], float scale, __m512 (&total)[R][N]) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < N; ++t) total[r][t] = _mm512_fmadd_ps(blk[r][t], s, total[r][t]);
+  }
+}
+
+template <int R, int N>
+HMOE_AVX512_INLINE void ZeroAcc(__m512 (&acc)[R][N]) {
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < N; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+}
+
+// R rows x N tokens over all K columns.
+template <int R, int N>
+__attribute__((noinline)) void Tile(const TileArgs& a) {
+  const Expander ex;
+  __m512 total[R][N];
+  __m512 blk[R][N];
+  ZeroAcc(total);
+  const int64_t full_blocks = a.k / kScaleBlock;
+  for (int64_t kb = 0; kb < full_blocks; ++kb) {
+    ZeroAcc(blk);
+    Step<R, N, false>(a, ex, 2 * kb, 0, blk);
+    Step<R, N, false>(a, ex, 2 * kb + 1, 0, blk);
+    ScaleInto(blk, a.scales[kb], total);
+  }
+  const int64_t rest = a.k - full_blocks * kScaleBlock;  // 0..127 columns in a last block
+  if (rest > 0) {
+    ZeroAcc(blk);
+    const int64_t c = 2 * full_blocks;
+    if (rest >= kChunk) {
+      Step<R, N, false>(a, ex, c, 0, blk);
+      if (rest > kChunk) Step<R, N, true>(a, ex, c + 1, (1ull << (rest - kChunk)) - 1, blk);
+    } else {
+      Step<R, N, true>(a, ex, c, (1ull << rest) - 1, blk);
+    }
+    ScaleInto(blk, a.scales[full_blocks], total);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = ReduceAdd(total[r][t]);
+  }
+}
+
+// Rows per tile for N tokens: R * N block accumulators plus as many totals must fit in 32 zmm
+// registers next to the tables and the activation vectors.
+template <int N>
+constexpr int TileRows() {
+  return N <= 2 ? 4 : (N <= 4 ? 2 : 1);
+}
+
+template <int N>
+void MatVecN(const Fp8MatrixView& w, const std::byte* x, int64_t x_stride, int64_t m_begin,
+             int64_t m_end, float* y, int64_t y_stride, int64_t prefetch_bytes) {
+  constexpr int R = TileRows<N>();
+  TileArgs a;
+  a.row_stride = w.row_stride;
+  a.k = w.cols;
+  a.x = x;
+  a.x_stride = x_stride;
+  a.y_stride = y_stride;
+  a.pf_end = prefetch_bytes > 0 ? w.data + m_end * w.row_stride : nullptr;
+  // Dense rows (the checkpoint layout) are one contiguous stream: prefetch the next tile linearly,
+  // R consecutive lines per step. Rows of a column slice (row_stride > cols) are not contiguous:
+  // prefetch each of the next tile's rows at the current column instead.
+  const bool per_row = w.row_stride != w.cols || kPrefetchPerRow;
+  for (int64_t m = m_begin; m < m_end;) {
+    const int64_t block_end = (m / kScaleBlock + 1) * kScaleBlock;
+    const int64_t tile_end = block_end < m_end ? block_end : m_end;
+    a.scales = w.scale_inv + (m / kScaleBlock) * w.scale_stride;
+    for (; m + R <= tile_end; m += R) {
+      a.w = w.data + m * w.row_stride;
+      a.y = y + (m - m_begin);
+      a.pf = a.w + R * w.row_stride + prefetch_bytes;
+      a.pf_step = per_row ? kChunk : R * kChunk;
+      a.pf_row = per_row ? w.row_stride : kChunk;
+      Tile<R, N>(a);
+    }
+    for (; m < tile_end; ++m) {
+      a.w = w.data + m * w.row_stride;
+      a.y = y + (m - m_begin);
+      a.pf = a.w + w.row_stride + prefetch_bytes;
+      a.pf_step = kChunk;
+      a.pf_row = kChunk;
+      Tile<1, N>(a);
+    }
+  }
+}
+
+// Position of column j (0..63) of a chunk in the packed chunk, in elements of the packed type.
+constexpr int64_t PackedPosition(int64_t j) {
+  const int64_t lane = j / 16;
+  const int64_t q = j % 16;
+  const int64_t half = q < 8 ? 0 : 1;     // A or B
+  const int64_t word = 8 * lane + q % 8;  // position within A or B (32 BF16)
+  if constexpr (kBf16Dot) return 32 * half + word;
+  // F32 variant: [even words 16][odd words 16] per half.
+  return 32 * half + (word % 2) * 16 + word / 2;
+}
+
+class Avx512Fp8Gemv final : public Fp8Gemv {
+ public:
+  explicit Avx512Fp8Gemv(int64_t prefetch_bytes) : prefetch_bytes_(prefetch_bytes) {}
+
+  CpuIsa isa() const override { return kBf16Dot ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512; }
+
+  int64_t PackedBytes(int64_t k) const override {
+    return (k + kChunk - 1) / kChunk * kPackedChunkBytes;
+  }
+
+  void Pack(const float* x, int64_t k, int64_t k_begin, int64_t k_end,
+            std::byte* packed) const override {
+    const int64_t padded_end = k_end == k ? (k + kChunk - 1) / kChunk * kChunk : k_end;
+    for (int64_t i = k_begin; i < padded_end; ++i) {
+      const int64_t pos = (i - i % kChunk) + PackedPosition(i % kChunk);
+      const uint16_t b = i < k_end ? ToBf16(x[i - k_begin]) : 0;
+      if constexpr (kBf16Dot) {
+        reinterpret_cast<uint16_t*>(packed)[pos] = b;
+      } else {
+        reinterpret_cast<float*>(packed)[pos] = Bf16ToFloat(b);
+      }
+    }
+  }
+
+  void MatVec(const Fp8MatrixView& w, const std::byte* packed, int64_t packed_stride, int n,
+              int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const override {
+    const int64_t pf = prefetch_bytes_;
+    switch (n) {
+      case 1:
+        return MatVecN<1>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 2:
+        return MatVecN<2>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 3:
+        return MatVecN<3>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 4:
+        return MatVecN<4>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 5:
+        return MatVecN<5>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 6:
+        return MatVecN<6>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 7:
+        return MatVecN<7>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      case 8:
+        return MatVecN<8>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+      default:
+        __builtin_trap();  // the interface allows 1..kMaxMatVecTokens
+    }
+  }
+
+ private:
+  const int64_t prefetch_bytes_;
+};
+
+}  // namespace
+}  // namespace hmoe::cpu::internal
+
+#undef HMOE_AVX512_INLINE

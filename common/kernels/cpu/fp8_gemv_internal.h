@@ -1,0 +1,24 @@
+#pragma once
+
+// Factories of the ISA-specific variants of Fp8Gemv. Each lives in a source file compiled with its
+// own ISA flags (see CMakeLists.txt), so only the dispatcher in fp8_gemv.cc may call them, and only
+// after checking CpuSupports(). They return an owning raw pointer on purpose: a std::unique_ptr
+// instantiated in an AVX-512 translation unit could be the copy the linker keeps for everyone.
+
+#include <cstdint>
+
+#include "common/kernels/cpu/fp8_gemv.h"
+
+namespace hmoe::cpu::internal {
+
+Fp8Gemv* NewScalarFp8Gemv();
+Fp8Gemv* NewAvx2Fp8Gemv(int64_t prefetch_bytes);
+Fp8Gemv* NewAvx512Fp8Gemv(int64_t prefetch_bytes);
+Fp8Gemv* NewAvx512Bf16Fp8Gemv(int64_t prefetch_bytes);
+
+// Default prefetch distances (bytes beyond the next tile of rows), measured on this project's
+// development machines.
+inline constexpr int64_t kAvx2DefaultPrefetchBytes = 1024;
+inline constexpr int64_t kAvx512DefaultPrefetchBytes = 1024;
+
+}  // namespace hmoe::cpu::internal

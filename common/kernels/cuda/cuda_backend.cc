@@ -1,0 +1,51 @@
+#include "common/kernels/cuda/cuda_backend.h"
+
+#include "absl/strings/str_cat.h"
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cublas_v2.h>
+
+namespace hmoe::cuda {
+
+bool BuiltWithCuda() { return true; }
+
+int DeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // Clear the non-sticky error so later calls start clean.
+    return 0;
+  }
+  return count;
+}
+
+std::string NoDeviceReason() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::StrCat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+  }
+  return count > 0 ? "" : "no CUDA device visible";
+}
+
+absl::StatusOr<std::string> LibraryVersions() {
+  int runtime = 0;
+  if (const cudaError_t err = cudaRuntimeGetVersion(&runtime); err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("cudaRuntimeGetVersion: ", cudaGetErrorString(err)));
+  }
+  int major = 0, minor = 0, patch = 0;
+  if (cublasGetProperty(MAJOR_VERSION, &major) != CUBLAS_STATUS_SUCCESS ||
+      cublasGetProperty(MINOR_VERSION, &minor) != CUBLAS_STATUS_SUCCESS ||
+      cublasGetProperty(PATCH_LEVEL, &patch) != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError("cublasGetProperty failed");
+  }
+  int nccl = 0;
+  if (const ncclResult_t r = ncclGetVersion(&nccl); r != ncclSuccess) {
+    return absl::InternalError(absl::StrCat("ncclGetVersion: ", ncclGetErrorString(r)));
+  }
+  return absl::StrCat("cudart ", runtime, ", cublas ", major, ".", minor, ".", patch, ", nccl ",
+                      nccl);
+}
+
+}  // namespace hmoe::cuda

@@ -1,0 +1,12 @@
+#include "common/kernels/cuda/cuda_backend.h"
+
+namespace hmoe::cuda {
+
+bool BuiltWithCuda() { return false; }
+int DeviceCount() { return 0; }
+std::string NoDeviceReason() { return "built without CUDA (HMOE_CUDA=OFF)"; }
+absl::StatusOr<std::string> LibraryVersions() {
+  return absl::UnavailableError("built without CUDA (HMOE_CUDA=OFF)");
+}
+
+}  // namespace hmoe::cuda

@@ -1,0 +1,210 @@
+#include "decode_worker/decode_service.h"
+
+#include <utility>
+#include <variant>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+#include "common/base/logging.h"
+#include "common/base/status_macros.h"
+
+namespace hmoe::decode {
+namespace {
+
+// How often a handler waiting for events checks whether its client went away.
+constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
+// After cancelling on a broken stream, how long the handler waits for the scheduler to confirm
+// (so the request's KV is free when the call ends).
+constexpr absl::Duration kCancelWait = absl::Seconds(2);
+
+v1::FinishReason ReasonToProto(FinishCause c) {
+  switch (c) {
+    case FinishCause::kEos:
+      return v1::FINISH_REASON_EOS;
+    case FinishCause::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishCause::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishCause::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+    case FinishCause::kError:
+      return v1::FINISH_REASON_ERROR;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// Waits (bounded) for the finish event of a request the handler gave up on.
+void AwaitFinish(RequestChannel& channel) {
+  const absl::Time deadline = absl::Now() + kCancelWait;
+  while (std::optional<RequestEvent> e = channel.Pop(deadline)) {
+    if (std::holds_alternative<FinishEvent>(*e)) return;
+  }
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p,
+                                                   KvImporter& importer,
+                                                   const KvHandoffShape& shape) {
+  GenerationRequest r;
+  r.id = p.request_id();
+  r.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
+  const v1::SamplingParams& s = p.sampling();
+  r.sampling.temperature = s.temperature();
+  r.sampling.top_k = s.top_k();
+  r.sampling.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
+  r.sampling.min_p = s.min_p();
+  r.sampling.repetition_penalty = s.repetition_penalty() == 0.0f ? 1.0f : s.repetition_penalty();
+  r.sampling.presence_penalty = s.presence_penalty();
+  r.sampling.seed = s.seed();
+  r.sampling.max_new_tokens = p.max_new_tokens();
+  r.sampling.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  r.sampling.ignore_eos = p.ignore_eos();
+  if (p.max_new_tokens() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens: ", p.max_new_tokens(), " must be >= 1"));
+  }
+  if (p.has_kv_handle()) {
+    const v1::KvHandle& h = p.kv_handle();
+    KvHandleSpec spec;
+    switch (h.location_case()) {
+      case v1::KvHandle::kShmName:
+        spec.kind = KvHandleSpec::Kind::kShm;
+        spec.shm_name = h.shm_name();
+        break;
+      case v1::KvHandle::kCudaIpcHandle:
+        spec.kind = KvHandleSpec::Kind::kCudaIpc;
+        spec.cuda_ipc_handle = h.cuda_ipc_handle();
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            "kv_handle: needs a location (shm_name or cuda_ipc_handle)");
+    }
+    spec.num_tokens = h.num_tokens();
+    spec.layout_version = h.layout_version();
+    if (!r.prompt.empty() && static_cast<int64_t>(r.prompt.size()) != h.num_tokens()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt_token_ids: ", r.prompt.size(), " tokens with a kv_handle of ",
+                       h.num_tokens(), " tokens"));
+    }
+    HMOE_ASSIGN_OR_RETURN(r.kv, importer.Open(spec, shape));
+    r.kv_num_tokens = h.num_tokens();
+    r.first_token = p.first_token_id();
+  }
+  return r;
+}
+
+v1::AdmitResponse EventToProto(const RequestEvent& event) {
+  v1::AdmitResponse out;
+  if (const auto* t = std::get_if<TokenEvent>(&event)) {
+    v1::Token* p = out.mutable_token();
+    p->set_token_id(t->token);
+    p->set_index(t->index);
+    p->set_time_since_admit_us(t->time_since_admit_us);
+    p->set_step_us(t->step_us);
+  } else if (const auto* k = std::get_if<KvImportedEvent>(&event)) {
+    v1::KvImported* p = out.mutable_kv_imported();
+    p->set_num_tokens(k->num_tokens);
+    p->set_import_us(k->import_us);
+  } else {
+    const auto& f = std::get<FinishEvent>(event);
+    v1::Finished* p = out.mutable_finished();
+    p->set_reason(ReasonToProto(f.cause));
+    p->set_stop_token_id(f.stop_token);
+    p->mutable_usage()->set_prompt_tokens(f.prompt_tokens);
+    p->mutable_usage()->set_completion_tokens(f.completion_tokens);
+    p->mutable_usage()->set_imported_tokens(f.imported_tokens);
+    p->mutable_timing()->set_queue_us(f.queue_us);
+    p->mutable_timing()->set_first_token_us(f.first_token_us);
+    p->mutable_timing()->set_total_us(f.total_us);
+    p->mutable_timing()->set_mean_inter_token_us(f.mean_inter_token_us);
+    if (!f.error.ok()) p->set_error_message(std::string(f.error.message()));
+  }
+  return out;
+}
+
+grpc::Status DecodeServiceImpl::Admit(grpc::ServerContext* context,
+                                      const v1::AdmitRequest* request,
+                                      grpc::ServerWriter<v1::AdmitResponse>* writer) {
+  absl::StatusOr<GenerationRequest> r =
+      RequestFromProto(*request, *importer_, engine_->kv_handoff_shape());
+  if (!r.ok()) {
+    HMOE_LOG(INFO) << "req=" << request->request_id() << " rejected: " << r.status();
+    return ToGrpcStatus(r.status());
+  }
+  const std::string id = r->id;
+  absl::StatusOr<std::shared_ptr<RequestChannel>> channel = scheduler_->Submit(*std::move(r));
+  if (!channel.ok()) {
+    HMOE_LOG(INFO) << "req=" << id << " rejected: " << channel.status();
+    return ToGrpcStatus(channel.status());
+  }
+  while (true) {
+    std::optional<RequestEvent> event = (*channel)->Pop(absl::Now() + kPollInterval);
+    if (!event.has_value()) {
+      if (context->IsCancelled()) {
+        (void)scheduler_->Cancel(id, "client cancelled the call");
+        AwaitFinish(**channel);
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled the call");
+      }
+      continue;
+    }
+    const v1::AdmitResponse message = EventToProto(*event);
+    const bool ok = writer->Write(message);
+    if (const auto* f = std::get_if<FinishEvent>(&*event)) {
+      if (f->cause == FinishCause::kError) return ToGrpcStatus(f->error);
+      return grpc::Status::OK;
+    }
+    if (!ok) {
+      (void)scheduler_->Cancel(id, "stream broken");
+      AwaitFinish(**channel);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "stream broken");
+    }
+  }
+}
+
+grpc::Status DecodeServiceImpl::Cancel(grpc::ServerContext* /*context*/,
+                                       const v1::CancelRequest* request,
+                                       v1::CancelResponse* /*response*/) {
+  return ToGrpcStatus(scheduler_->Cancel(request->request_id(), "cancelled by Cancel RPC"));
+}
+
+grpc::Status DecodeServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
+                                          const v1::GetStatusRequest* /*request*/,
+                                          v1::WorkerStatus* response) {
+  const SchedulerStats s = scheduler_->stats();
+  const SchedulerOptions& o = scheduler_->options();
+  response->set_worker_id(info_.worker_id);
+  response->set_device(info_.device);
+  response->set_draining(s.draining);
+  response->set_batch_size(o.batch_size);
+  response->set_running(s.running);
+  response->set_waiting(s.waiting);
+  response->set_max_waiting(o.max_waiting);
+  response->set_kv_blocks_free(s.kv_blocks_free);
+  response->set_kv_blocks_total(s.kv_blocks_total);
+  response->set_kv_block_tokens(static_cast<int32_t>(engine_->kv_block_tokens()));
+  response->set_steps(s.steps);
+  response->set_tokens_generated(s.tokens_generated);
+  response->set_prompt_tokens_prefilled(s.prompt_tokens_prefilled);
+  response->set_tokens_per_second(s.tokens_per_second);
+  response->set_dual_batch(o.dual_batch);
+  response->set_chunk_size(static_cast<int32_t>(o.chunk_size));
+  response->set_requests_finished(s.requests_finished);
+  response->set_requests_cancelled(s.requests_cancelled);
+  response->set_requests_failed(s.requests_failed);
+  return grpc::Status::OK;
+}
+
+}  // namespace hmoe::decode

@@ -1,0 +1,138 @@
+#include "decode_worker/engine_step_engine.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#include "common/base/status_macros.h"
+
+namespace hmoe::decode {
+namespace {
+
+class EngineSequence final : public StepSequence {
+ public:
+  explicit EngineSequence(KvSequence seq) : seq_(std::move(seq)) {}
+  int64_t num_tokens() const override { return seq_.num_tokens(); }
+  KvSequence& kv() { return seq_; }
+
+ private:
+  KvSequence seq_;
+};
+
+class EngineStepBatch final : public StepBatch {
+ public:
+  explicit EngineStepBatch(std::unique_ptr<MicroBatch> batch) : batch_(std::move(batch)) {}
+
+  absl::Status Begin(std::span<const StepInput> inputs) override {
+    inputs_.clear();
+    inputs_.reserve(inputs.size());
+    for (const StepInput& in : inputs) {
+      SequenceInput s;
+      s.sequence = &static_cast<EngineSequence*>(in.sequence)->kv();
+      s.tokens = in.tokens;
+      s.want_logits = in.want_logits;
+      inputs_.push_back(s);
+    }
+    return batch_->BeginStep(inputs_);
+  }
+  absl::Status RunAttention(int64_t layer) override { return batch_->RunAttention(layer); }
+  absl::Status RunFfn(int64_t layer) override { return batch_->RunFfn(layer); }
+  absl::StatusOr<std::vector<std::vector<float>>> Finish() override {
+    absl::StatusOr<std::vector<std::vector<float>>> out = batch_->FinishStep();
+    inputs_.clear();
+    return out;
+  }
+
+ private:
+  std::unique_ptr<MicroBatch> batch_;
+  std::vector<SequenceInput> inputs_;  // alive for the whole step
+};
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+size_t KvBlockBytes(const ModelConfig& config, int64_t block_tokens) {
+  return static_cast<size_t>(config.num_hidden_layers * block_tokens *
+                             (config.kv_lora_rank + config.qk_rope_head_dim)) *
+         sizeof(float);
+}
+
+absl::StatusOr<std::unique_ptr<EngineStepEngine>> EngineStepEngine::Create(
+    const ModelConfig& config, const WeightSource& source, Device& device, CpuWorkerPool& pool,
+    const EngineStepEngineOptions& options) {
+  if (options.kv_blocks < 1 || options.kv_block_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache of ", options.kv_blocks,
+                                                   " blocks of ", options.kv_block_tokens,
+                                                   " tokens: both must be >= 1"));
+  }
+  std::unique_ptr<EngineStepEngine> e(new EngineStepEngine());
+  e->config_ = config;
+  for (int64_t id : config.eos_token_ids) e->eos_.push_back(static_cast<int32_t>(id));
+  e->device_ = &device;
+  ResidentWeightsOptions weight_options;
+  weight_options.moe_parts = pool.num_nodes();
+  HMOE_ASSIGN_OR_RETURN(e->weights_,
+                        ResidentWeights::Create(config, source, device, weight_options));
+  EngineOptions engine_options = options.engine;
+  engine_options.max_step_tokens = options.max_step_tokens;
+  engine_options.max_step_sequences = options.max_step_sequences;
+  HMOE_ASSIGN_OR_RETURN(e->engine_,
+                        Engine::Create(config, *e->weights_, device, pool, engine_options));
+  HMOE_ASSIGN_OR_RETURN(
+      e->kv_, KvCache::Create(device, KvCacheConfig::ForModel(config, options.kv_blocks,
+                                                              options.kv_block_tokens)));
+  HMOE_ASSIGN_OR_RETURN(e->import_stream_, device.CreateStream());
+  return e;
+}
+
+EngineStepEngine::~EngineStepEngine() = default;
+
+KvHandoffShape EngineStepEngine::kv_handoff_shape() const {
+  KvHandoffShape s;
+  s.num_layers = static_cast<uint32_t>(config_.num_hidden_layers);
+  s.kv_lora_rank = static_cast<uint32_t>(config_.kv_lora_rank);
+  s.rope_dim = static_cast<uint32_t>(config_.qk_rope_head_dim);
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<StepSequence>> EngineStepEngine::NewSequence(
+    int64_t reserve_tokens) {
+  KvSequence seq = kv_->NewSequence();
+  HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
+  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));
+}
+
+absl::StatusOr<std::unique_ptr<StepSequence>> EngineStepEngine::NewImportedSequence(
+    int64_t reserve_tokens, const KvImportSource& source) {
+  const auto num_tokens = static_cast<int64_t>(source.header().num_tokens);
+  if (num_tokens > reserve_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv import of ", num_tokens, " tokens into a reservation of ", reserve_tokens));
+  }
+  if (source.payload().size() < kv_->ExportBytes(num_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat("kv import: payload of ",
+                                                   source.payload().size(), " bytes, need ",
+                                                   kv_->ExportBytes(num_tokens)));
+  }
+  // All or nothing: the engine thread is the pool's only allocator, so the check holds.
+  const int64_t blocks = CeilDiv(reserve_tokens, kv_->config().block_size);
+  if (blocks > kv_->num_free_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv cache: ", blocks, " blocks needed, ",
+                                                     kv_->num_free_blocks(), " free"));
+  }
+  KvSequence seq = kv_->NewSequence();
+  HMOE_RETURN_IF_ERROR(kv_->Import(
+      seq, num_tokens, *import_stream_, source.payload().data(),
+      source.payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost));
+  HMOE_RETURN_IF_ERROR(import_stream_->Synchronize());
+  HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
+  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));
+}
+
+absl::StatusOr<std::unique_ptr<StepBatch>> EngineStepEngine::NewStepBatch() {
+  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<MicroBatch> batch, engine_->NewMicroBatch());
+  return std::unique_ptr<StepBatch>(new EngineStepBatch(std::move(batch)));
+}
+
+}  // namespace hmoe::decode

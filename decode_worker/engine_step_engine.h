@@ -1,0 +1,83 @@
+#pragma once
+
+// StepEngine over the real forward pass: common/engine's Engine (one MicroBatch per StepBatch),
+// its paged KvCache on the attention device, and ResidentWeights reading the weight source in
+// place (weightd's mapping or an mmapped checkpoint).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "common/device/device.h"
+#include "common/engine/engine.h"
+#include "common/engine/kv_cache.h"
+#include "common/engine/moe_cpu/cpu_worker_pool.h"
+#include "common/engine/weights.h"
+#include "common/model/model_config.h"
+#include "common/model/tensor.h"
+#include "decode_worker/step_engine.h"
+
+namespace hmoe::decode {
+
+struct EngineStepEngineOptions {
+  // Engine step capacity: the scheduler needs chunk_size + batch_size tokens and batch_size
+  // sequences.
+  int64_t max_step_tokens = 512 + 6;
+  int64_t max_step_sequences = 6;
+  // KV pool: num_blocks blocks of block_tokens tokens.
+  int64_t kv_blocks = 0;
+  int64_t kv_block_tokens = 64;
+  // Passed to Engine::Create (max_step_tokens / max_step_sequences above override it).
+  EngineOptions engine;
+};
+
+// Bytes of one KV block of `config` (all layers).
+size_t KvBlockBytes(const ModelConfig& config, int64_t block_tokens);
+
+class EngineStepEngine final : public StepEngine {
+ public:
+  // Builds ResidentWeights over `source`, the Engine and the KV pool. `source`, `device` and
+  // `pool` must outlive the result. Errors from ResidentWeights::Create, Engine::Create and
+  // KvCache::Create (ResourceExhausted when the pool does not fit the device budget);
+  // InvalidArgument for kv_blocks < 1.
+  static absl::StatusOr<std::unique_ptr<EngineStepEngine>> Create(
+      const ModelConfig& config, const WeightSource& source, Device& device, CpuWorkerPool& pool,
+      const EngineStepEngineOptions& options);
+  ~EngineStepEngine() override;
+
+  int64_t vocab_size() const override { return config_.vocab_size; }
+  int64_t num_layers() const override { return config_.num_hidden_layers; }
+  int64_t max_context_tokens() const override { return config_.max_position_embeddings; }
+  const std::vector<int32_t>& eos_token_ids() const override { return eos_; }
+  int64_t max_step_tokens() const override { return engine_->options().max_step_tokens; }
+  int64_t max_step_sequences() const override { return engine_->options().max_step_sequences; }
+  int64_t kv_block_tokens() const override { return kv_->config().block_size; }
+  int64_t kv_blocks_total() const override { return kv_->num_blocks(); }
+  int64_t kv_blocks_free() const override { return kv_->num_free_blocks(); }
+  KvHandoffShape kv_handoff_shape() const override;
+
+  absl::StatusOr<std::unique_ptr<StepSequence>> NewSequence(int64_t reserve_tokens) override;
+  absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
+      int64_t reserve_tokens, const KvImportSource& source) override;
+  absl::StatusOr<std::unique_ptr<StepBatch>> NewStepBatch() override;
+  std::string device_name() const override { return device_->name(); }
+
+  Engine& engine() { return *engine_; }
+  KvCache& kv_cache() { return *kv_; }
+
+ private:
+  EngineStepEngine() = default;
+
+  ModelConfig config_;
+  std::vector<int32_t> eos_;
+  Device* device_ = nullptr;
+  std::unique_ptr<ResidentWeights> weights_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<KvCache> kv_;
+  std::unique_ptr<Stream> import_stream_;
+};
+
+}  // namespace hmoe::decode

@@ -1,0 +1,147 @@
+#include "tests/bench/bench_util.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+// GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include "common/base/logging.h"
+
+namespace hmoe::bench {
+namespace {
+
+volatile float g_sink = 0;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// noipa: GCC's IPA would otherwise mark these pure and hoist repeated calls out of timing loops.
+__attribute__((noipa, target("avx512f"))) float ReadSumAvx512(const std::byte* p, size_t bytes) {
+  __m512 a[8];
+  for (__m512& v : a) v = _mm512_setzero_ps();
+  const float* f = reinterpret_cast<const float*>(p);
+  for (size_t i = 0; i < bytes / 4; i += 128) {
+    for (int j = 0; j < 8; ++j) a[j] = _mm512_add_ps(a[j], _mm512_load_ps(f + i + 16 * j));
+  }
+  for (int j = 1; j < 8; ++j) a[0] = _mm512_add_ps(a[0], a[j]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, a[0]);
+  return out[0];
+}
+
+__attribute__((noipa, target("avx2"))) float ReadSumAvx2(const std::byte* p, size_t bytes) {
+  __m256 a[8];
+  for (__m256& v : a) v = _mm256_setzero_ps();
+  const float* f = reinterpret_cast<const float*>(p);
+  for (size_t i = 0; i < bytes / 4; i += 64) {
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_add_ps(a[j], _mm256_load_ps(f + i + 8 * j));
+  }
+  for (int j = 1; j < 8; ++j) a[0] = _mm256_add_ps(a[0], a[j]);
+  alignas(32) float out[8];
+  _mm256_store_ps(out, a[0]);
+  return out[0];
+}
+
+}  // namespace
+
+HugeBuffer::HugeBuffer(size_t bytes) : bytes_(bytes) {
+  constexpr size_t kHuge = 2 << 20;
+  const size_t mapped = (bytes + 2 * kHuge - 1) / kHuge * kHuge + kHuge;
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  HMOE_CHECK(p != MAP_FAILED) << "mmap " << mapped << " bytes";
+  // Align to 2 MiB so whole huge pages back the buffer; the rest of the mapping stays unused.
+  auto* aligned =
+      reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(p) + kHuge - 1) / kHuge * kHuge);
+  madvise(aligned, bytes, MADV_HUGEPAGE);
+  std::memset(aligned, 0, bytes);
+  data_ = aligned;
+  base_ = p;
+  mapped_ = mapped;
+}
+
+HugeBuffer::~HugeBuffer() { munmap(base_, mapped_); }
+
+void FillRandomFp8(std::byte* p, size_t n, uint64_t seed) {
+  uint64_t s = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (size_t i = 0; i < n; i += 8) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    uint64_t v = s;
+    for (size_t j = 0; j < 8 && i + j < n; ++j, v >>= 8) {
+      uint8_t c = static_cast<uint8_t>(v);
+      if ((c & 0x7f) == 0x7f) c ^= 0x01;  // no NaN codes
+      p[i + j] = static_cast<std::byte>(c);
+    }
+  }
+}
+
+float ReadSum(const std::byte* p, size_t bytes) {
+  static const bool kAvx512 = __builtin_cpu_supports("avx512f");
+  return kAvx512 ? ReadSumAvx512(p, bytes) : ReadSumAvx2(p, bytes);
+}
+
+CpuWorkerPool& PoolForThreads(int threads) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<CpuWorkerPool>> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<CpuWorkerPool>& pool = pools[threads];
+  if (pool == nullptr) {
+    CpuWorkerPoolOptions options;
+    options.num_nodes = 1;
+    options.threads_per_node = threads;
+    auto created = CpuWorkerPool::Create(options);
+    HMOE_CHECK_OK(created.status());
+    pool = std::move(*created);
+  }
+  return *pool;
+}
+
+void WorkerTimes::Start(int thread) { start_[thread] = NowNs(); }
+void WorkerTimes::End(int thread) { end_[thread] = NowNs(); }
+
+double WorkerTimes::WallSeconds() const {
+  return static_cast<double>(*std::max_element(end_.begin(), end_.end()) -
+                             *std::min_element(start_.begin(), start_.end())) *
+         1e-9;
+}
+
+double TimedRun(CpuWorkerPool& pool, const std::function<void(int)>& fn) {
+  WorkerTimes times(pool.num_threads());
+  pool.Run([&](int t) {
+    times.Start(t);
+    fn(t);
+    times.End(t);
+  });
+  return times.WallSeconds();
+}
+
+double TimedReadGBps(CpuWorkerPool& pool, const std::byte* p, size_t bytes) {
+  const int n = pool.num_threads();
+  const size_t part = bytes / n / 512 * 512;
+  std::vector<float> sink(n);
+  const double seconds = TimedRun(pool, [&](int t) { sink[t] = ReadSum(p + t * part, part); });
+  g_sink = g_sink + sink[0];
+  return static_cast<double>(part * n) / seconds * 1e-9;
+}
+
+void SplitRows(int64_t rows, int t, int n, int64_t* begin, int64_t* end) {
+  const int64_t blocks = (rows + 127) / 128;
+  *begin = std::min(rows, blocks * t / n * 128);
+  *end = std::min(rows, blocks * (t + 1) / n * 128);
+}
+
+}  // namespace hmoe::bench

@@ -1,0 +1,70 @@
+#pragma once
+
+// Helpers shared by the CPU kernel and MoE benchmarks: big cold buffers, a STREAM-like read
+// kernel, and timing taken inside the worker threads (on a 2-vCPU machine the caller may be woken
+// late, so wall time is max(end) - min(start) over the workers' own clocks).
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "common/engine/moe_cpu/cpu_worker_pool.h"
+
+namespace hmoe::bench {
+
+// An anonymous mapping with transparent huge pages requested, first-touched (so page faults stay
+// out of timed regions). Aborts when the memory cannot be mapped.
+class HugeBuffer {
+ public:
+  explicit HugeBuffer(size_t bytes);
+  ~HugeBuffer();
+  HugeBuffer(const HugeBuffer&) = delete;
+  HugeBuffer& operator=(const HugeBuffer&) = delete;
+
+  std::byte* data() const { return data_; }
+  size_t size() const { return bytes_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+  void* base_ = nullptr;
+  size_t mapped_ = 0;
+};
+
+// Fills `n` bytes with random FP8 E4M3 codes, never NaN (real checkpoints have none).
+void FillRandomFp8(std::byte* p, size_t n, uint64_t seed);
+
+// Sums `bytes` (a multiple of 512, 64-byte aligned) with wide loads and several accumulators;
+// the result only defeats dead-code elimination.
+float ReadSum(const std::byte* p, size_t bytes);
+
+// The pool for `threads` threads on one node (cached; threads 1..n-1 pinned).
+CpuWorkerPool& PoolForThreads(int threads);
+
+// Per-thread start/end timestamps of one parallel region.
+class WorkerTimes {
+ public:
+  explicit WorkerTimes(int threads) : start_(threads), end_(threads) {}
+  void Start(int thread);
+  void End(int thread);
+  // max(end) - min(start), in seconds.
+  double WallSeconds() const;
+
+ private:
+  std::vector<int64_t> start_;
+  std::vector<int64_t> end_;
+};
+
+// Runs fn(thread) on `pool` with timestamps taken in each worker; returns the wall seconds.
+double TimedRun(CpuWorkerPool& pool, const std::function<void(int)>& fn);
+
+// Reads [p, p + bytes) split evenly over the pool's threads (p 64-byte aligned); returns GB/s
+// (1e9 bytes per second).
+double TimedReadGBps(CpuWorkerPool& pool, const std::byte* p, size_t bytes);
+
+// Rows [begin, end) of `rows` for thread t of n, on multiples of 128 rows (scale blocks).
+void SplitRows(int64_t rows, int t, int n, int64_t* begin, int64_t* end);
+
+}  // namespace hmoe::bench
