@@ -55,8 +55,7 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p,
-                                                   KvImporter& importer,
+absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, KvImporter& importer,
                                                    const KvHandoffShape& shape) {
   GenerationRequest r;
   r.id = p.request_id();
@@ -95,9 +94,9 @@ absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p,
     spec.num_tokens = h.num_tokens();
     spec.layout_version = h.layout_version();
     if (!r.prompt.empty() && static_cast<int64_t>(r.prompt.size()) != h.num_tokens()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt_token_ids: ", r.prompt.size(), " tokens with a kv_handle of ",
-                       h.num_tokens(), " tokens"));
+      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids: ", r.prompt.size(),
+                                                     " tokens with a kv_handle of ", h.num_tokens(),
+                                                     " tokens"));
     }
     HMOE_ASSIGN_OR_RETURN(r.kv, importer.Open(spec, shape));
     r.kv_num_tokens = h.num_tokens();
@@ -135,8 +134,7 @@ v1::AdmitResponse EventToProto(const RequestEvent& event) {
   return out;
 }
 
-grpc::Status DecodeServiceImpl::Admit(grpc::ServerContext* context,
-                                      const v1::AdmitRequest* request,
+grpc::Status DecodeServiceImpl::Admit(grpc::ServerContext* context, const v1::AdmitRequest* request,
                                       grpc::ServerWriter<v1::AdmitResponse>* writer) {
   absl::StatusOr<GenerationRequest> r =
       RequestFromProto(*request, *importer_, engine_->kv_handoff_shape());
@@ -204,6 +202,8 @@ grpc::Status DecodeServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
   response->set_requests_finished(s.requests_finished);
   response->set_requests_cancelled(s.requests_cancelled);
   response->set_requests_failed(s.requests_failed);
+  response->set_max_running_seen(s.max_running_seen);
+  response->set_dual_batch_steps(s.dual_steps);
   return grpc::Status::OK;
 }
 

@@ -7,10 +7,9 @@
 #include <memory>
 #include <string>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include <grpcpp/grpcpp.h>
 
 #include "common/kv/kv_handoff.h"
 #include "decode_worker/request.h"

@@ -62,8 +62,8 @@ absl::StatusOr<std::unique_ptr<EngineStepEngine>> EngineStepEngine::Create(
     const ModelConfig& config, const WeightSource& source, Device& device, CpuWorkerPool& pool,
     const EngineStepEngineOptions& options) {
   if (options.kv_blocks < 1 || options.kv_block_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("kv cache of ", options.kv_blocks,
-                                                   " blocks of ", options.kv_block_tokens,
+    return absl::InvalidArgumentError(absl::StrCat("kv cache of ", options.kv_blocks, " blocks of ",
+                                                   options.kv_block_tokens,
                                                    " tokens: both must be >= 1"));
   }
   std::unique_ptr<EngineStepEngine> e(new EngineStepEngine());
@@ -79,9 +79,9 @@ absl::StatusOr<std::unique_ptr<EngineStepEngine>> EngineStepEngine::Create(
   engine_options.max_step_sequences = options.max_step_sequences;
   HMOE_ASSIGN_OR_RETURN(e->engine_,
                         Engine::Create(config, *e->weights_, device, pool, engine_options));
-  HMOE_ASSIGN_OR_RETURN(
-      e->kv_, KvCache::Create(device, KvCacheConfig::ForModel(config, options.kv_blocks,
-                                                              options.kv_block_tokens)));
+  HMOE_ASSIGN_OR_RETURN(e->kv_,
+                        KvCache::Create(device, KvCacheConfig::ForModel(config, options.kv_blocks,
+                                                                        options.kv_block_tokens)));
   HMOE_ASSIGN_OR_RETURN(e->import_stream_, device.CreateStream());
   return e;
 }
@@ -118,13 +118,13 @@ absl::StatusOr<std::unique_ptr<StepSequence>> EngineStepEngine::NewImportedSeque
   // All or nothing: the engine thread is the pool's only allocator, so the check holds.
   const int64_t blocks = CeilDiv(reserve_tokens, kv_->config().block_size);
   if (blocks > kv_->num_free_blocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat("kv cache: ", blocks, " blocks needed, ",
-                                                     kv_->num_free_blocks(), " free"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv cache: ", blocks, " blocks needed, ", kv_->num_free_blocks(), " free"));
   }
   KvSequence seq = kv_->NewSequence();
-  HMOE_RETURN_IF_ERROR(kv_->Import(
-      seq, num_tokens, *import_stream_, source.payload().data(),
-      source.payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost));
+  HMOE_RETURN_IF_ERROR(
+      kv_->Import(seq, num_tokens, *import_stream_, source.payload().data(),
+                  source.payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost));
   HMOE_RETURN_IF_ERROR(import_stream_->Synchronize());
   HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
   return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));

@@ -29,8 +29,8 @@ RegistryClient::RegistryClient(RegistryClientOptions options,
               static_cast<int>(absl::ToInt64Milliseconds(options_.initial_backoff)));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
               static_cast<int>(absl::ToInt64Milliseconds(options_.max_backoff)));
-  rpc_->stub = reg::WorkerRegistry::NewStub(grpc::CreateCustomChannel(
-      options_.router_target, grpc::InsecureChannelCredentials(), args));
+  rpc_->stub = reg::WorkerRegistry::NewStub(
+      grpc::CreateCustomChannel(options_.router_target, grpc::InsecureChannelCredentials(), args));
   thread_ = std::jthread([this] { Loop(); });
 }
 

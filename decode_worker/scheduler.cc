@@ -21,8 +21,8 @@ int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 absl::Status CheckTokens(std::span<const int32_t> tokens, int64_t vocab, absl::string_view field) {
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: token id ", tokens[i],
-                                                     " outside [0, ", vocab, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "]: token id ", tokens[i], " outside [0, ", vocab, ")"));
     }
   }
   return absl::OkStatus();
@@ -60,15 +60,15 @@ struct Scheduler::Active {
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(StepEngine& engine,
                                                              const SchedulerOptions& options) {
   if (options.batch_size < 1 || options.batch_size > engine.max_step_sequences()) {
-    return absl::InvalidArgumentError(absl::StrCat("batch size ", options.batch_size,
-                                                   " must be in [1, ",
-                                                   engine.max_step_sequences(), "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "batch size ", options.batch_size, " must be in [1, ", engine.max_step_sequences(), "]"));
   }
-  if (options.chunk_size < 1 || options.chunk_size + options.batch_size > engine.max_step_tokens()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk size ", options.chunk_size, " must be >= 1 and chunk size + batch size (",
-                     options.chunk_size + options.batch_size, ") at most the engine's step of ",
-                     engine.max_step_tokens(), " tokens"));
+  if (options.chunk_size < 1 ||
+      options.chunk_size + options.batch_size > engine.max_step_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk size ", options.chunk_size, " must be >= 1 and chunk size + batch size (",
+        options.chunk_size + options.batch_size, ") at most the engine's step of ",
+        engine.max_step_tokens(), " tokens"));
   }
   if (options.max_waiting < 0) {
     return absl::InvalidArgumentError(
@@ -112,8 +112,8 @@ absl::Status Scheduler::ValidateRequest(const GenerationRequest& r, const StepEn
           " tokens (with a kv_handle the prompt is optional and must match it)"));
     }
     if (r.first_token < 0 || r.first_token >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("first_token_id: token id ", r.first_token,
-                                                     " outside [0, ", vocab, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("first_token_id: token id ", r.first_token, " outside [0, ", vocab, ")"));
     }
   } else if (r.prompt.empty()) {
     return absl::InvalidArgumentError(
@@ -126,17 +126,17 @@ absl::Status Scheduler::ValidateRequest(const GenerationRequest& r, const StepEn
   }
   const int64_t total = r.prompt_tokens() + r.sampling.max_new_tokens;
   if (total > engine.max_context_tokens()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_token_ids: too long: prompt of ", r.prompt_tokens(), " tokens + max_new_tokens ",
-        r.sampling.max_new_tokens, " = ", total, " exceeds the model's context of ",
-        engine.max_context_tokens(), " tokens"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_token_ids: too long: prompt of ", r.prompt_tokens(),
+                     " tokens + max_new_tokens ", r.sampling.max_new_tokens, " = ", total,
+                     " exceeds the model's context of ", engine.max_context_tokens(), " tokens"));
   }
   const int64_t blocks = CeilDiv(total, engine.kv_block_tokens());
   if (blocks > engine.kv_blocks_total()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "kv cache: prompt + max_new_tokens = ", total, " tokens need ", blocks,
-        " blocks but the pool has ", engine.kv_blocks_total(), " blocks of ",
-        engine.kv_block_tokens(), " tokens"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv cache: prompt + max_new_tokens = ", total, " tokens need ", blocks,
+                     " blocks but the pool has ", engine.kv_blocks_total(), " blocks of ",
+                     engine.kv_block_tokens(), " tokens"));
   }
   return absl::OkStatus();
 }
@@ -243,13 +243,13 @@ void Scheduler::EngineLoop() {
       inbox_.pop_front();
     }
   }
-  for (auto* list : {&running_, &waiting_}) {
-    for (auto& a : *list) {
-      if (!a->finished) {
-        Finish(*a, FinishCause::kCancelled, absl::CancelledError("worker shutting down"), -1);
-      }
+  auto cancel = [this](std::unique_ptr<Active>& a) {
+    if (!a->finished) {
+      Finish(*a, FinishCause::kCancelled, absl::CancelledError("worker shutting down"), -1);
     }
-  }
+  };
+  for (auto& a : running_) cancel(a);
+  for (auto& a : waiting_) cancel(a);
   RemoveFinished();
   PublishStats();
 }
@@ -268,11 +268,11 @@ bool Scheduler::TakeInbox(bool block) {
 }
 
 void Scheduler::ApplyCancels() {
-  for (const auto& [id, reason] : pending_cancels_) {
-    auto mark = [&](Active& a) {
-      if (a.request.id == id && !a.finished) {
+  for (const auto& cancel : pending_cancels_) {
+    auto mark = [&cancel](Active& a) {
+      if (a.request.id == cancel.first && !a.finished) {
         a.cancel = true;
-        a.cancel_reason = reason;
+        a.cancel_reason = cancel.second;
       }
     };
     for (auto& a : waiting_) mark(*a);
@@ -307,9 +307,9 @@ void Scheduler::AdmitWaiting() {
     if (!seq.ok()) {
       absl::Status error = seq.status();
       if (a.request.kv != nullptr) {
-        error = absl::Status(error.code(), absl::StrCat("import kv from ",
-                                                        a.request.kv->description(), ": ",
-                                                        error.message()));
+        error = absl::Status(
+            error.code(),
+            absl::StrCat("import kv from ", a.request.kv->description(), ": ", error.message()));
       }
       Finish(a, FinishCause::kError, std::move(error), -1);
       waiting_.pop_front();
@@ -340,6 +340,8 @@ void Scheduler::AdmitWaiting() {
     }
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
+    absl::MutexLock lock(&mu_);
+    --num_waiting_;
   }
 }
 
@@ -465,10 +467,10 @@ void Scheduler::Finish(Active& a, FinishCause cause, absl::Status error, int32_t
   f.imported_tokens = a.request.has_kv() ? static_cast<int32_t>(a.request.kv_num_tokens) : 0;
   const absl::Time started = a.start_time == absl::Time() ? now : a.start_time;
   f.queue_us = Micros(started - a.admit_time);
-  f.first_token_us = a.first_token_time == absl::Time() ? 0 : Micros(a.first_token_time - a.admit_time);
+  f.first_token_us =
+      a.first_token_time == absl::Time() ? 0 : Micros(a.first_token_time - a.admit_time);
   f.total_us = Micros(now - a.admit_time);
-  f.mean_inter_token_us =
-      a.inter_token_count == 0 ? 0 : a.inter_token_sum_us / a.inter_token_count;
+  f.mean_inter_token_us = a.inter_token_count == 0 ? 0 : a.inter_token_sum_us / a.inter_token_count;
   ++local_.requests_finished;
   if (cause == FinishCause::kCancelled) ++local_.requests_cancelled;
   if (cause == FinishCause::kError) ++local_.requests_failed;
@@ -478,6 +480,12 @@ void Scheduler::Finish(Active& a, FinishCause cause, absl::Status error, int32_t
   {
     absl::MutexLock lock(&mu_);
     in_flight_.erase(a.request.id);
+    if (a.start_time == absl::Time()) --num_waiting_;  // it never left the waiting list
+    // Published with the erase, so a caller that saw WaitIdle return sees the counts.
+    stats_.requests_finished = local_.requests_finished;
+    stats_.requests_cancelled = local_.requests_cancelled;
+    stats_.requests_failed = local_.requests_failed;
+    stats_.tokens_generated = local_.tokens_generated;
   }
   a.channel->Push(std::move(f));
 }
@@ -495,7 +503,6 @@ void Scheduler::PublishStats() {
   absl::MutexLock lock(&mu_);
   stats_ = local_;
   last_step_time_ = rate_window_.empty() ? absl::Time() : rate_window_.back().first;
-  num_waiting_ = local_.waiting + static_cast<int>(inbox_.size());
 }
 
 }  // namespace hmoe::decode

@@ -71,7 +71,7 @@ struct SchedulerStats {
   int64_t tokens_generated = 0;
   int64_t prompt_tokens_prefilled = 0;
   int64_t kv_tokens_imported = 0;
-  double tokens_per_second = 0;  // over the last few seconds of stepping
+  double tokens_per_second = 0;   // over the last few seconds of stepping
   int64_t requests_finished = 0;  // for any cause
   int64_t requests_cancelled = 0;
   int64_t requests_failed = 0;
@@ -145,7 +145,7 @@ class Scheduler {
   std::deque<std::unique_ptr<Active>> inbox_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<std::string, std::string>> cancels_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> in_flight_ ABSL_GUARDED_BY(mu_);
-  int num_waiting_ ABSL_GUARDED_BY(mu_) = 0;  // inbox + waiting list
+  int num_waiting_ ABSL_GUARDED_BY(mu_) = 0;  // submitted, not yet running or finished
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   SchedulerStats stats_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,6 @@
 #include "decode_worker/step_runner.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <utility>
@@ -10,26 +11,48 @@
 #include "common/base/status_macros.h"
 
 namespace hmoe::decode {
-namespace {
+void StepRunner::Alternation::Reset() {
+  absl::MutexLock lock(&mu_);
+  done_[0] = done_[1] = 0;
+  retired_[0] = retired_[1] = false;
+}
 
-// Holds `mu` for a scope when `enabled`.
-class OptionalLock {
+void StepRunner::Alternation::Acquire(int party, int64_t turn) {
+  absl::MutexLock lock(&mu_);
+  const int other = 1 - party;
+  const int64_t need = party == 0 ? turn : turn + 1;
+  auto ready = [this, other, need]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return retired_[other] || done_[other] >= need;
+  };
+  mu_.Await(absl::Condition(&ready));
+}
+
+void StepRunner::Alternation::Release(int party) {
+  absl::MutexLock lock(&mu_);
+  ++done_[party];
+}
+
+void StepRunner::Alternation::Retire(int party) {
+  absl::MutexLock lock(&mu_);
+  retired_[party] = true;
+}
+
+class StepRunner::Turn {
  public:
-  OptionalLock(absl::Mutex& mu, bool enabled) ABSL_NO_THREAD_SAFETY_ANALYSIS
-      : mu_(enabled ? &mu : nullptr) {
-    if (mu_ != nullptr) mu_->Lock();
+  Turn(Alternation& resource, int party, int64_t turn)
+      : resource_(party >= 0 ? &resource : nullptr), party_(party) {
+    if (resource_ != nullptr) resource_->Acquire(party_, turn);
   }
-  ~OptionalLock() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (mu_ != nullptr) mu_->Unlock();
+  ~Turn() {
+    if (resource_ != nullptr) resource_->Release(party_);
   }
-  OptionalLock(const OptionalLock&) = delete;
-  OptionalLock& operator=(const OptionalLock&) = delete;
+  Turn(const Turn&) = delete;
+  Turn& operator=(const Turn&) = delete;
 
  private:
-  absl::Mutex* mu_;
+  Alternation* resource_;
+  int party_;
 };
-
-}  // namespace
 
 size_t BalancedSplit(std::span<const int64_t> token_counts) {
   HMOE_CHECK(token_counts.size() >= 2) << "BalancedSplit needs two inputs";
@@ -56,8 +79,7 @@ absl::StatusOr<std::unique_ptr<StepRunner>> StepRunner::Create(StepEngine& engin
   if (dual_batch) {
     HMOE_ASSIGN_OR_RETURN(second, engine.NewStepBatch());
   }
-  return std::unique_ptr<StepRunner>(
-      new StepRunner(engine, std::move(first), std::move(second)));
+  return std::unique_ptr<StepRunner>(new StepRunner(engine, std::move(first), std::move(second)));
 }
 
 StepRunner::StepRunner(StepEngine& engine, std::unique_ptr<StepBatch> first,
@@ -90,7 +112,7 @@ void StepRunner::HelperLoop(std::stop_token /*stop*/) {
       helper_has_work_ = false;
     }
     absl::StatusOr<std::vector<std::vector<float>>> result =
-        RunBatch(*second_, inputs, /*overlap=*/true);
+        RunBatch(*second_, inputs, /*party=*/1);
     absl::MutexLock lock(&mu_);
     helper_result_ = std::move(result);
     helper_done_ = true;
@@ -98,24 +120,33 @@ void StepRunner::HelperLoop(std::stop_token /*stop*/) {
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> StepRunner::RunBatch(
-    StepBatch& batch, std::span<const StepInput> inputs, bool overlap) {
-  {
-    OptionalLock lock(attention_mu_, overlap);
-    HMOE_RETURN_IF_ERROR(batch.Begin(inputs));
-  }
+    StepBatch& batch, std::span<const StepInput> inputs, int party) {
   const int64_t num_layers = engine_.num_layers();
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
+  auto run = [&]() -> absl::StatusOr<std::vector<std::vector<float>>> {
     {
-      OptionalLock lock(attention_mu_, overlap);
-      HMOE_RETURN_IF_ERROR(batch.RunAttention(layer));
+      Turn turn(attention_, party, 0);
+      HMOE_RETURN_IF_ERROR(batch.Begin(inputs));
+      if (num_layers > 0) HMOE_RETURN_IF_ERROR(batch.RunAttention(0));
     }
-    {
-      OptionalLock lock(ffn_mu_, overlap);
-      HMOE_RETURN_IF_ERROR(batch.RunFfn(layer));
+    for (int64_t layer = 0; layer < num_layers; ++layer) {
+      {
+        Turn turn(ffn_, party, layer);
+        HMOE_RETURN_IF_ERROR(batch.RunFfn(layer));
+      }
+      if (layer + 1 < num_layers) {
+        Turn turn(attention_, party, layer + 1);
+        HMOE_RETURN_IF_ERROR(batch.RunAttention(layer + 1));
+      }
     }
+    Turn turn(attention_, party, std::max<int64_t>(num_layers, 1));
+    return batch.Finish();
+  };
+  absl::StatusOr<std::vector<std::vector<float>>> result = run();
+  if (party >= 0) {
+    attention_.Retire(party);
+    ffn_.Retire(party);
   }
-  OptionalLock lock(attention_mu_, overlap);
-  return batch.Finish();
+  return result;
 }
 
 std::vector<StepResult> StepRunner::Run(std::span<const StepInput> inputs) {
@@ -126,8 +157,9 @@ std::vector<StepResult> StepRunner::Run(std::span<const StepInput> inputs) {
       if (!batch_result.ok()) {
         results[i].status = batch_result.status();
       } else if (batch_result->size() != end - begin) {
-        results[i].status = absl::InternalError(absl::StrCat(
-            "engine step returned ", batch_result->size(), " results for ", end - begin, " inputs"));
+        results[i].status =
+            absl::InternalError(absl::StrCat("engine step returned ", batch_result->size(),
+                                             " results for ", end - begin, " inputs"));
       } else {
         results[i].logits = std::move((*batch_result)[i - begin]);
       }
@@ -136,7 +168,7 @@ std::vector<StepResult> StepRunner::Run(std::span<const StepInput> inputs) {
 
   if (second_ == nullptr || inputs.size() < 2) {
     last_split_ = StepSplit{false, inputs.size()};
-    absl::StatusOr<std::vector<std::vector<float>>> r = RunBatch(*first_, inputs, false);
+    absl::StatusOr<std::vector<std::vector<float>>> r = RunBatch(*first_, inputs, /*party=*/-1);
     fill(0, inputs.size(), r);
     return results;
   }
@@ -146,6 +178,8 @@ std::vector<StepResult> StepRunner::Run(std::span<const StepInput> inputs) {
   for (const StepInput& in : inputs) counts.push_back(static_cast<int64_t>(in.tokens.size()));
   const size_t split = BalancedSplit(counts);
   last_split_ = StepSplit{true, split};
+  attention_.Reset();
+  ffn_.Reset();
   {
     absl::MutexLock lock(&mu_);
     helper_inputs_ = inputs.subspan(split);
@@ -153,7 +187,7 @@ std::vector<StepResult> StepRunner::Run(std::span<const StepInput> inputs) {
     helper_has_work_ = true;
   }
   absl::StatusOr<std::vector<std::vector<float>>> a =
-      RunBatch(*first_, inputs.subspan(0, split), /*overlap=*/true);
+      RunBatch(*first_, inputs.subspan(0, split), /*party=*/0);
   absl::StatusOr<std::vector<std::vector<float>>> b = absl::UnknownError("no result");
   {
     absl::MutexLock lock(&mu_);

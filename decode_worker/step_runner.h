@@ -2,10 +2,15 @@
 
 // Runs one scheduler step on the engine, either as one batch or as two micro-batches overlapped
 // attention-against-MoE (paper §3.3.1, Fig. 7): micro-batch A runs on the calling (engine) thread,
-// B on the runner's helper thread, and two resource locks, the attention device and the CPU
-// experts, make them alternate so that while A runs layer l's MoE, B runs layer l's attention,
-// then A runs layer l+1's attention while B runs layer l's MoE, and so on. Embedding and lm_head
-// (Begin/Finish) take the attention lock, as on a GPU they are device work.
+// B on the runner's helper thread. Two resources, the attention device and the CPU experts, are
+// each taken in strict alternation A, B, A, B, ... so the pipeline is
+//
+//   attention: A.embed+a0  B.embed+a0  A.a1  B.a1  ...  A.lm_head  B.lm_head
+//   experts:              A.f0        B.f0  A.f1  B.f1  ...
+//
+// i.e. while A runs layer l's MoE, B runs layer l's attention, then A runs layer l+1's attention
+// while B runs layer l's MoE. Embedding and lm_head belong to the attention resource (on a GPU they
+// are device work). A micro-batch that fails drops out of the alternation so the other finishes.
 //
 // A sequence's computation does not depend on which micro-batch it is in (the engine's contract),
 // so tokens are identical with the overlap on or off.
@@ -65,10 +70,11 @@ class StepRunner {
   StepRunner(StepEngine& engine, std::unique_ptr<StepBatch> first,
              std::unique_ptr<StepBatch> second);
 
-  // Begin, layers and Finish of one micro-batch, taking the resource locks when `overlap`.
+  // Begin, layers and Finish of one micro-batch; `party` 0 (A) or 1 (B) takes part in the
+  // alternation, -1 runs alone.
   absl::StatusOr<std::vector<std::vector<float>>> RunBatch(StepBatch& batch,
                                                            std::span<const StepInput> inputs,
-                                                           bool overlap);
+                                                           int party);
   void HelperLoop(std::stop_token stop);
   bool HelperReady() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || helper_has_work_;
@@ -79,9 +85,29 @@ class StepRunner {
   std::unique_ptr<StepBatch> second_;
   StepSplit last_split_;
 
-  // The two resources the micro-batches alternate on.
-  absl::Mutex attention_mu_;
-  absl::Mutex ffn_mu_;
+  // Strict A/B alternation of the turns on one resource (party 0 = A goes first). Thread-safe.
+  class Alternation {
+   public:
+    void Reset() ABSL_LOCKS_EXCLUDED(mu_);
+    // Waits until `party` may take its `turn`-th turn (0-based): the other party has completed
+    // `turn` turns (party 0) or `turn` + 1 turns (party 1), or has retired.
+    void Acquire(int party, int64_t turn) ABSL_LOCKS_EXCLUDED(mu_);
+    // Completes the party's current turn.
+    void Release(int party) ABSL_LOCKS_EXCLUDED(mu_);
+    // The party takes no more turns (finished or failed).
+    void Retire(int party) ABSL_LOCKS_EXCLUDED(mu_);
+
+   private:
+    absl::Mutex mu_;
+    int64_t done_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
+    bool retired_[2] ABSL_GUARDED_BY(mu_) = {false, false};
+  };
+
+  // One resource turn of a micro-batch: a no-op scope when `party` < 0 (no overlap).
+  class Turn;
+
+  Alternation attention_;
+  Alternation ffn_;
 
   // Hand-off of micro-batch B to the helper thread.
   absl::Mutex mu_;

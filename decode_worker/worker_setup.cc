@@ -3,8 +3,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -27,15 +27,23 @@ absl::StatusOr<DeviceSpec> ParseDeviceFlag(const std::string& value) {
       ordinal >= 0) {
     return DeviceSpec{DeviceKind::kCuda, ordinal};
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--device: \"", value, "\" is not cpu or cuda:N"));
+  return absl::InvalidArgumentError(absl::StrCat("--device: \"", value, "\" is not cpu or cuda:N"));
 }
 
 absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value) {
   if (value == "on" || value == "true" || value == "1") return true;
   if (value == "off" || value == "false" || value == "0") return false;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--", flag, ": \"", value, "\" is not on or off"));
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", value, "\" is not on or off"));
+}
+
+absl::StatusOr<bool> ResolveDualBatch(const std::string& value, DeviceKind attention_device) {
+  if (value == "auto") return attention_device == DeviceKind::kCuda;
+  absl::StatusOr<bool> on = ParseOnOff("dual-batch", value);
+  if (!on.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dual-batch: \"", value, "\" is not on, off or auto"));
+  }
+  return on;
 }
 
 absl::StatusOr<int64_t> ResolveKvBlocks(int64_t kv_blocks, int64_t kv_memory_mb,
@@ -53,9 +61,8 @@ absl::StatusOr<int64_t> ResolveKvBlocks(int64_t kv_blocks, int64_t kv_memory_mb,
   const auto blocks = static_cast<int64_t>((static_cast<uint64_t>(kv_memory_mb) << 20) /
                                            std::max<size_t>(block_bytes, 1));
   if (blocks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv-memory-mb ", kv_memory_mb,
-                                                   " holds no KV block of ", block_bytes,
-                                                   " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-memory-mb ", kv_memory_mb, " holds no KV block of ", block_bytes, " bytes"));
   }
   return blocks;
 }
@@ -85,13 +92,14 @@ absl::Status PrepareSocketPath(const std::string& path) {
         absl::StrCat("stat socket directory ", dir, ": ", std::strerror(errno)));
   }
   if (!S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket directory ", dir, " is not a directory"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket directory ", dir, " is not a directory"));
   }
   if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "socket directory ", dir, " must be owned by uid ", ::geteuid(),
-        " with mode 0700 (it is uid ", st.st_uid, ", mode ",
-        absl::StrFormat("%04o", st.st_mode & 0777), ")"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("socket directory ", dir, " must be owned by uid ", ::geteuid(),
+                     " with mode 0700 (it is uid ", st.st_uid, ", mode ",
+                     absl::StrFormat("%04o", st.st_mode & 0777), ")"));
   }
   struct stat sock {};
   if (::lstat(path.c_str(), &sock) == 0) {

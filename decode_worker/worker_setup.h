@@ -25,6 +25,11 @@ absl::StatusOr<DeviceSpec> ParseDeviceFlag(const std::string& value);
 // "on"/"off" (also true/false, 1/0). InvalidArgument naming `flag` otherwise.
 absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value);
 
+// --dual-batch: "on", "off", or "auto" = on exactly when the attention device is a GPU. On a
+// CPU-only node attention and experts share the same cores, so the two micro-batches cannot
+// overlap, and each reads its own experts: measured slower (docs/PERFORMANCE.md).
+absl::StatusOr<bool> ResolveDualBatch(const std::string& value, DeviceKind attention_device);
+
 // The KV pool size in blocks: `kv_blocks` when > 0, else as many blocks of `block_bytes` as fit
 // in `kv_memory_mb` MiB. InvalidArgument when both are given, when neither is, or when the
 // memory holds no block.

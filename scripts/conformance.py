@@ -272,7 +272,8 @@ def build_state_dict(tensors, model, config):
     expected = model.state_dict()
     state = {}
     used = set()
-    expert_re = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    expert_re = re.compile(
+        r"^(model\.layers\.(\d+)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
     fused = {}  # prefix -> {kind: {e: tensor}}
     for name, t in tensors.items():
         m = expert_re.match(name)
@@ -397,7 +398,8 @@ def main():
     parser.add_argument("--ours-logits", action="append", required=True, metavar="FORM=FILE",
                         help="hmoe-generate --dump-logits output, e.g. absorbed=/tmp/a.bin")
     parser.add_argument("--ours-continuation", default="", help="comma-separated greedy ids")
-    parser.add_argument("--ours-step-logits", default="", help="hmoe-generate --print-logits stdout")
+    parser.add_argument("--ours-step-logits", default="",
+                        help="hmoe-generate --print-logits stdout")
     parser.add_argument("--max-abs", type=float, default=1e-3)
     parser.add_argument("--max-rel-row", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")

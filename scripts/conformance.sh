@@ -21,8 +21,7 @@
 #   HMOE_PYTHON               interpreter that creates the venv (default: python3)
 #   HMOE_CONFORMANCE_PACKAGES pip requirements (default: "torch transformers>=4.51 safetensors
 #                             numpy"). PyPI's Linux torch wheel pulls in CUDA libraries (several
-#                             GB); PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu gets
-#                             the CPU-only build (~200 MB) instead. Either works.
+#                             GB); pip's own settings (e.g. an extra index) are honoured.
 #   HMOE_CONFORMANCE_SEED     weight seed of the tiny checkpoint (default 0)
 #   HMOE_CONFORMANCE_DTYPE    fp8 (default, like the real checkpoint) or bf16
 #   HMOE_CONFORMANCE_KEEP=1   keep the temporary directory (checkpoint, logits dumps)
@@ -46,7 +45,8 @@ die() {
 # ---- build the two tools
 if [[ -n "${HMOE_CONFORMANCE_BUILD:-}" ]]; then
   BUILD="$HMOE_CONFORMANCE_BUILD"
-  [[ -f "$BUILD/build.ninja" ]] || die "HMOE_CONFORMANCE_BUILD=$BUILD is not a Ninja build directory"
+  [[ -f "$BUILD/build.ninja" ]] ||
+    die "HMOE_CONFORMANCE_BUILD=$BUILD is not a Ninja build directory"
 elif [[ -f "$ROOT/build/cpu/build.ninja" ]]; then
   BUILD="$ROOT/build/cpu"
 else
@@ -77,12 +77,14 @@ if have_packages; then
 else
   if [[ ! -x "$VENV/bin/python" ]]; then
     log "create the virtual environment $VENV"
-    "$PYTHON" -m venv "$VENV" || die "cannot create a venv with $PYTHON (Debian: apt-get install python3-venv)"
+    "$PYTHON" -m venv "$VENV" ||
+      die "cannot create a venv with $PYTHON (Debian: apt-get install python3-venv)"
   fi
   log "pip install ${PACKAGES[*]} (downloads from PyPI)"
   "$VENV/bin/python" -m pip install --upgrade pip >/dev/null
   "$VENV/bin/python" -m pip install "${PACKAGES[@]}"
-  have_packages || die "$VENV still cannot import torch / transformers (DeepseekV3ForCausalLM) / safetensors"
+  have_packages ||
+    die "$VENV still cannot import torch, transformers (DeepseekV3ForCausalLM) or safetensors"
 fi
 
 # ---- checkpoint and our logits
@@ -123,7 +125,7 @@ run_generate() {  # form, then extra flags
   }
   cat "$WORK/err-$form.txt"
 }
-log "hmoe-generate: $PROMPT_TOKENS prompt tokens + $NEW_TOKENS greedy tokens, absorbed and naive MLA"
+log "hmoe-generate: $PROMPT_TOKENS prompt + $NEW_TOKENS greedy tokens, absorbed and naive MLA"
 run_generate absorbed --print-logits
 run_generate naive
 CONT_ABSORBED="$(head -n 1 "$WORK/out-absorbed.txt")"

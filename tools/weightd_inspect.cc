@@ -269,7 +269,8 @@ int Remove(const std::string& instance) {
   {
     absl::StatusOr<shm::ControlSegment> control = shm::ControlSegment::OpenReadOnly(instance);
     if (!control.ok()) {
-      std::fprintf(stderr, "remove %s: %s\n", instance.c_str(), control.status().ToString().c_str());
+      std::fprintf(stderr, "remove %s: %s\n", instance.c_str(),
+                   control.status().ToString().c_str());
       return 1;
     }
     const int owner = control->LoadOwnerPid();

@@ -211,7 +211,8 @@ absl::Status RunJob(const LoadPlan& plan, const Job& j, const std::vector<Unique
       if (bounce.size() < kBouncePiece) bounce.resize(kBouncePiece);
       for (uint64_t off = 0; off < j.length; off += kBouncePiece) {
         const uint64_t n = std::min(kBouncePiece, j.length - off);
-        HMOE_RETURN_IF_ERROR(ReadFully(fd, path, t, j.src_offset + off, bounce.data(), n, counters));
+        HMOE_RETURN_IF_ERROR(
+            ReadFully(fd, path, t, j.src_offset + off, bounce.data(), n, counters));
         for (const auto& [segment, offset] : j.targets) {
           if (plan.segments[segment].fd >= 0) {
             HMOE_RETURN_IF_ERROR(WriteAt(plan, segment, offset + off, bounce.data(), n));

@@ -421,10 +421,9 @@ absl::Status WeightDaemon::Load(const Checkpoint& checkpoint, const shm::ModelId
   std::vector<SegmentReport> reports;
   for (const shm::SegmentLayout& layout : manifest.segments) {
     std::string why;
-    absl::StatusOr<DataSegment> seg =
-        DataSegment::Create(layout.used_bytes, options_.hugepages, BindingFor(layout),
-                            shm::DataSegmentFileName(options_.instance, generation, layout.index),
-                            &why);
+    absl::StatusOr<DataSegment> seg = DataSegment::Create(
+        layout.used_bytes, options_.hugepages, BindingFor(layout),
+        shm::DataSegmentFileName(options_.instance, generation, layout.index), &why);
     if (!seg.ok()) {
       return Annotate(seg.status(), absl::StrCat("create data segment ", layout.index, " (",
                                                  FormatBytes(layout.used_bytes), ")"));

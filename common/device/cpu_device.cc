@@ -11,7 +11,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
@@ -24,12 +23,13 @@
 
 namespace hmoe {
 
-absl::Mutex& CpuPoolMutex(const CpuWorkerPool* pool) {
-  static absl::Mutex registry_mu(absl::kConstInit);
-  static auto* registry = new absl::flat_hash_map<const CpuWorkerPool*, std::unique_ptr<absl::Mutex>>();
-  absl::MutexLock lock(&registry_mu);
-  std::unique_ptr<absl::Mutex>& mu = (*registry)[pool];
-  if (mu == nullptr) mu = std::make_unique<absl::Mutex>();
+std::mutex& CpuPoolMutex(const CpuWorkerPool* pool) {
+  static std::mutex registry_mu;
+  static auto* registry =
+      new absl::flat_hash_map<const CpuWorkerPool*, std::unique_ptr<std::mutex>>();
+  std::lock_guard<std::mutex> lock(registry_mu);
+  std::unique_ptr<std::mutex>& mu = (*registry)[pool];
+  if (mu == nullptr) mu = std::make_unique<std::mutex>();
   return *mu;
 }
 
@@ -70,8 +70,8 @@ absl::Status CheckLinearWeight(const LinearWeight& w, const char* what) {
       }
       return absl::OkStatus();
     default:
-      return absl::InvalidArgumentError(absl::StrCat(what, ": unsupported weight dtype ",
-                                                     std::string(DTypeName(w.dtype))));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": unsupported weight dtype ", std::string(DTypeName(w.dtype))));
   }
 }
 
@@ -122,8 +122,8 @@ void PackRows(const CpuKernels& k, const LinearWeight& w, const float* x, int64_
 }
 
 void LinearRows(const CpuKernels& k, const LinearWeight& w, const std::byte* packed,
-                int64_t packed_stride, const float* x, int64_t x_stride, int64_t n,
-                int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) {
+                int64_t packed_stride, const float* x, int64_t x_stride, int64_t n, int64_t m_begin,
+                int64_t m_end, float* y, int64_t y_stride) {
   if (m_begin >= m_end || n <= 0) return;
   switch (w.dtype) {
     case DType::kF8E4M3:
@@ -262,9 +262,9 @@ class CpuDevice final : public Device {
     if (copy_bytes_per_second_ > 0) {
       // The capped link: the copy completes bytes / cap seconds after it started.
       const auto done =
-          start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                      std::chrono::duration<double>(static_cast<double>(bytes) /
-                                                    copy_bytes_per_second_));
+          start +
+          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+              std::chrono::duration<double>(static_cast<double>(bytes) / copy_bytes_per_second_));
       std::this_thread::sleep_until(done);
     }
     return absl::OkStatus();
@@ -287,19 +287,23 @@ class CpuDevice final : public Device {
   absl::Status Linear(Stream&, const LinearWeight& w, const float* x, int64_t x_stride, int64_t n,
                       float* y, int64_t y_stride) override {
     HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(w, "linear"));
-    if (n < 0 || (n > 0 && (x == nullptr || y == nullptr || x_stride < w.cols ||
-                            y_stride < w.rows))) {
-      return absl::InvalidArgumentError(absl::StrCat("linear: bad activations (n ", n,
-                                                     ", x_stride ", x_stride, ", y_stride ",
-                                                     y_stride, ") for [", w.rows, ", ", w.cols,
-                                                     "]"));
+    if (n < 0 ||
+        (n > 0 && (x == nullptr || y == nullptr || x_stride < w.cols || y_stride < w.rows))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("linear: bad activations (n ", n, ", x_stride ", x_stride, ", y_stride ",
+                       y_stride, ") for [", w.rows, ", ", w.cols, "]"));
     }
     if (n == 0) return absl::OkStatus();
     const int64_t packed_stride = internal::PackedRowBytes(kernels_, w);
     std::byte* packed = nullptr;
     if (packed_stride > 0) {
       packed = pack_scratch_.Get(static_cast<size_t>(packed_stride * n));
-      internal::PackRows(kernels_, w, x, x_stride, n, packed, packed_stride);
+      // Decode-sized batches pack on the caller; prefill-sized ones split the tokens over the
+      // pool first (packing is a visible share of a prefill GEMM otherwise).
+      ParallelRange(n, n > cpu::kMaxMatVecTokens, [&](int64_t t0, int64_t t1) {
+        internal::PackRows(kernels_, w, x + t0 * x_stride, x_stride, t1 - t0,
+                           packed + t0 * packed_stride, packed_stride);
+      });
     }
     // Rows in multiples of 16 (whole tiles), evenly over the threads.
     const int64_t units = (w.rows + 15) / 16;
@@ -313,11 +317,10 @@ class CpuDevice final : public Device {
   }
 
   absl::Status RmsNorm(Stream&, const float* x, int64_t x_stride, int64_t n, int64_t dim,
-                       const VectorWeight& weight, float eps, float* y,
-                       int64_t y_stride) override {
+                       const VectorWeight& weight, float eps, float* y, int64_t y_stride) override {
     HMOE_RETURN_IF_ERROR(CheckVector(weight, dim, "rms norm weight"));
-    if (n < 0 || dim <= 0 || (n > 0 && (x == nullptr || y == nullptr || x_stride < dim ||
-                                        y_stride < dim))) {
+    if (n < 0 || dim <= 0 ||
+        (n > 0 && (x == nullptr || y == nullptr || x_stride < dim || y_stride < dim))) {
       return absl::InvalidArgumentError("rms norm: bad arguments");
     }
     std::vector<float>& w = norm_weight_;
@@ -401,8 +404,8 @@ class CpuDevice final : public Device {
     }
     for (int64_t t = 0; t < n; ++t) {
       if (ids[t] < 0 || ids[t] >= table.rows) {
-        return absl::InvalidArgumentError(absl::StrCat("embedding gather: id ", ids[t],
-                                                       " outside [0, ", table.rows, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("embedding gather: id ", ids[t], " outside [0, ", table.rows, ")"));
       }
     }
     const size_t elem = DTypeSize(table.dtype);
@@ -448,8 +451,7 @@ class CpuDevice final : public Device {
           logits[t * e + r] =
               router.dtype == DType::kBF16
                   ? cpu::DotBf16F32(row, x + t * x_stride, router.cols)
-                  : cpu::DotF32(reinterpret_cast<const float*>(row), x + t * x_stride,
-                                router.cols);
+                  : cpu::DotF32(reinterpret_cast<const float*>(row), x + t * x_stride, router.cols);
         }
       }
     });
@@ -569,7 +571,7 @@ class CpuDevice final : public Device {
       job(0, 1);
       return;
     }
-    absl::MutexLock lock(&CpuPoolMutex(pool_));
+    std::lock_guard<std::mutex> lock(CpuPoolMutex(pool_));
     const int threads = pool_->num_threads();
     pool_->Run([&](int thread) { job(thread, threads); });
   }

@@ -16,8 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-
-#include "absl/synchronization/mutex.h"
+#include <mutex>
 
 #include "common/device/device.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
@@ -44,7 +43,7 @@ std::unique_ptr<Device> NewCpuDevice(const CpuDeviceOptions& options = {});
 // The mutex that serializes CpuWorkerPool::Run on `pool` between threads: Run must not overlap,
 // so code that runs a pool from threads that may be concurrent (CpuDevice ops, the engine's
 // MoE on the same pool in dual-batch mode) holds this mutex around its Run calls. One mutex per
-// pool for the life of the process.
-absl::Mutex& CpuPoolMutex(const CpuWorkerPool* pool);
+// pool for the life of the process. (A std::mutex: see common/device/sync_internal.h.)
+std::mutex& CpuPoolMutex(const CpuWorkerPool* pool);
 
 }  // namespace hmoe

@@ -37,8 +37,8 @@ void PackRows(const CpuKernels& k, const LinearWeight& w, const float* x, int64_
 // y[t * y_stride + (m - m_begin)] = (W x_t)[m] for t < n and m in [m_begin, m_end), from the
 // packed rows (FP8/BF16) or x itself (F32). Single-threaded.
 void LinearRows(const CpuKernels& k, const LinearWeight& w, const std::byte* packed,
-                int64_t packed_stride, const float* x, int64_t x_stride, int64_t n,
-                int64_t m_begin, int64_t m_end, float* y, int64_t y_stride);
+                int64_t packed_stride, const float* x, int64_t x_stride, int64_t n, int64_t m_begin,
+                int64_t m_end, float* y, int64_t y_stride);
 
 // A 64-byte aligned buffer that grows on demand (per thread; never shrinks).
 class ScratchBuffer {

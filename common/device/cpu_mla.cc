@@ -9,7 +9,8 @@
 //      (running max and sum per row; the accumulator u is rescaled once per block), so no
 //      N x N score matrix ever exists;
 //   3. out_h = W_UV_h (u / sum) for the group's rows.
-// Tasks are handed out dynamically (an atomic counter) over the pool's threads, largest first.
+// Tasks are handed out dynamically (an atomic counter) over the pool's threads, largest first;
+// a single group (a decode step) is split into contiguous head ranges instead.
 
 #include <algorithm>
 #include <atomic>
@@ -61,15 +62,15 @@ absl::Status Validate(const MlaAttentionArgs& a) {
     return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
   }
   if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("mla attention: ", a.w_uk_t.size(),
-                                                   " W_UK^T heads, expected ", d.num_heads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("mla attention: ", a.w_uk_t.size(), " W_UK^T heads, expected ", d.num_heads));
   }
   for (const LinearWeight& w : a.w_uk_t) {
     HMOE_RETURN_IF_ERROR(CheckLinearWeight(w, "mla attention W_UK^T"));
     if (w.rows != d.kv_lora_rank || w.cols != d.nope_dim) {
       return absl::InvalidArgumentError(absl::StrCat("mla attention: W_UK^T is [", w.rows, ", ",
-                                                     w.cols, "], expected [", d.kv_lora_rank,
-                                                     ", ", d.nope_dim, "]"));
+                                                     w.cols, "], expected [", d.kv_lora_rank, ", ",
+                                                     d.nope_dim, "]"));
     }
   }
   HMOE_RETURN_IF_ERROR(CheckLinearWeight(a.kv_b, "mla attention kv_b"));
@@ -155,8 +156,8 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const Row* rows
     r = 0;
     for (; r + 4 <= count; r += 4) {
       for (int64_t j = 0; j < nk; ++j) {
-        const float p[4] = {scores[r * bs + j], scores[(r + 1) * bs + j],
-                            scores[(r + 2) * bs + j], scores[(r + 3) * bs + j]};
+        const float p[4] = {scores[r * bs + j], scores[(r + 1) * bs + j], scores[(r + 2) * bs + j],
+                            scores[(r + 3) * bs + j]};
         cpu::Axpy4F32(p, keys + j * rf, acc + r * rkv, rkv, rkv);
       }
     }
@@ -209,8 +210,8 @@ void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const std::vector<R
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1;
     while (r1 < n && grow[r1].segment == grow[r0].segment) ++r1;
-    AttendRun(a, a.segments[grow[r0].segment], grow + r0, r1 - r0, qcat + r0 * rf,
-              acc + r0 * rkv, scores + r0 * a.cache.block_size, row_max + r0, row_sum + r0);
+    AttendRun(a, a.segments[grow[r0].segment], grow + r0, r1 - r0, qcat + r0 * rf, acc + r0 * rkv,
+              scores + r0 * a.cache.block_size, row_max + r0, row_sum + r0);
     r0 = r1;
   }
   for (int64_t r = 0; r < n; ++r) {
@@ -243,8 +244,7 @@ absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
     const MlaSegment& seg = args.segments[s];
     for (int64_t i = 0; i < seg.num_queries; ++i) {
       // A new group when the current one is full, or (prefill) at a new segment.
-      if (groups.empty() || groups.back().count == limit ||
-          (!decode && rows.back().segment != s)) {
+      if (groups.empty() || groups.back().count == limit || (!decode && rows.back().segment != s)) {
         groups.push_back(Group{static_cast<int64_t>(rows.size()), 0, 0});
       }
       rows.push_back(Row{seg.query_begin + i, s, seg.start_pos + i});
@@ -260,7 +260,16 @@ absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
   const int64_t heads = args.dims.num_heads;
   const int64_t num_tasks = static_cast<int64_t>(groups.size()) * heads;
   std::atomic<int64_t> next{0};
-  run([&](int, int) {
+  run([&](int thread, int threads) {
+    if (groups.size() == 1) {
+      // One group (a decode step): each thread takes a contiguous range of heads, so it streams
+      // a contiguous part of W_UK^T and of kv_b (the hardware prefetcher keeps running across
+      // heads; handing heads out one by one would interleave the threads' streams).
+      const int64_t begin = num_tasks * thread / threads;
+      const int64_t end = num_tasks * (thread + 1) / threads;
+      for (int64_t task = begin; task < end; ++task) RunTask(kernels, args, rows, groups[0], task);
+      return;
+    }
     while (true) {
       // Relaxed: the counter only hands out task indices; inputs were published by the pool.
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);

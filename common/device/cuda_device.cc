@@ -1,145 +1,563 @@
 // CudaDevice: the Device on an NVIDIA GPU. Built only with the CUDA option (see CMakeLists.txt;
-// cuda_device_stub.cc otherwise).
+// cuda_device_stub.cc otherwise). Host code only: the kernels live in common/kernels/cuda (one
+// Launch*() per kernel returning cudaError_t); this file validates arguments, turns CUDA and
+// cuBLAS errors into Status, and drives cuBLAS for the linear layers.
 //
-// Status (issue #8): memory (with the shared MemoryBudget), streams, events and copies are
-// implemented on the CUDA runtime; the compute ops return Unimplemented until the CUDA kernels
-// land (the CUDA engineer fills them in: one Launch*() per kernel in common/kernels/cuda, errors
-// turned into Status here). Host code only: no kernels in this file.
+// Shared with CpuDevice, not copied: the memory budget (MemoryBudget), event tuples and the
+// device ring buffer (device.cc / ring_buffer.cc work on any Device through Stream and Event),
+// weight validation (internal::CheckLinearWeight), and the per-element math of every kernel
+// (common/kernels/shared_math.h).
+//
+// Streams. Each Stream owns a non-blocking CUDA stream, a cuBLAS handle bound to it for life, and a
+// scratch arena for the temporaries of its ops (BF16 activations, dequantized weights, MLA
+// workspaces). The arena grows with cudaMallocAsync/cudaFreeAsync in stream order, so reusing it
+// for the next op on the same stream is safe without host synchronization; its bytes count
+// against the device budget. A stream is used by one thread at a time (device.h), so its arena
+// and handle need no locks; two streams run concurrently (dual-batch) without sharing anything.
+//
+// Linear layers: y = W x with cuBLAS (column-major view: y^T = W x^T, A = W with op T), following
+// device.h's numerics exactly up to F32 summation order. BF16 weights: BF16 x BF16 GEMM with F32
+// accumulation (CUBLAS_COMPUTE_32F) on activations rounded to BF16 (round to nearest even, as
+// CpuDevice). FP8 weights: the codes dequantized to BF16 *without* their scale (exact: E4M3 fits
+// in BF16), one BF16 GEMM per 128-column block (a strided batch) into F32 partial sums, then each
+// block's sum times its block scale, summed over the blocks (LaunchBlockScaleCombine): the block
+// structure of CpuDevice's FP8 kernels. Folding the scale into BF16 weights instead would round
+// every weight to 8 bits (2^-9 relative error). F32 weights: F32 GEMM, no TF32. Calls with at most
+// kSmallLinearMaxTokens tokens (decode) skip cuBLAS: LaunchSmallLinear streams the weight once in
+// its own dtype with the same arithmetic, and needs no temporaries.
+//
+// Metadata uploads (MLA tiles, row lists, per-head weight descriptors) go through
+// cudaMemcpyAsync from pageable host memory, which the runtime copies to a staging buffer before
+// returning, so the host vectors may be reused at once.
 
-#include <cuda_runtime_api.h>
-
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include <cuda_runtime_api.h>
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/device/cpu_internal.h"
+#include "common/device/cuda_check.h"
+#include "common/device/cuda_handles.h"
+#include "common/device/cuda_plan.h"
 #include "common/device/device.h"
 #include "common/device/memory_budget.h"
 #include "common/kernels/cuda/cuda_backend.h"
+#include "common/kernels/cuda/cuda_kernels.h"
+#include "common/kernels/shared_math.h"
 
-#define HMOE_CUDA_RETURN_IF_ERROR(expr)                                                       \
-  do {                                                                                        \
-    if (const cudaError_t hmoe_err_ = (expr); hmoe_err_ != cudaSuccess) {                     \
-      return absl::InternalError(absl::StrCat(#expr, " failed: ", cudaGetErrorName(hmoe_err_), \
-                                              " (", cudaGetErrorString(hmoe_err_), ")"));     \
-    }                                                                                         \
-  } while (false)
-
-#define HMOE_CUDA_LOG_IF_ERROR(expr)                                                   \
-  do {                                                                                 \
-    if (const cudaError_t hmoe_err_ = (expr); hmoe_err_ != cudaSuccess) {              \
-      HMOE_LOG(ERROR) << #expr << " failed: " << cudaGetErrorName(hmoe_err_);          \
-    }                                                                                  \
-  } while (false)
+#include <cublas_v2.h>
 
 namespace hmoe {
 namespace {
 
-absl::Status Unimplemented(const char* op) {
-  return absl::UnimplementedError(absl::StrCat("cuda device: ", op, " is not implemented yet"));
+using cuda::WeightDesc;
+using internal::AlignUp;
+using internal::kCudaMlaChunkBytes;
+using internal::LinearMode;
+using internal::LinearPlan;
+using internal::MlaPlan;
+using internal::PlanLinear;
+using internal::PlanMla;
+using internal::ScratchLayout;
+using kernels::ElemType;
+
+// The stream arenas grow in steps of this many bytes.
+constexpr size_t kScratchGranule = size_t{2} << 20;
+
+absl::StatusOr<ElemType> ElemTypeOf(DType dtype, const char* what) {
+  switch (dtype) {
+    case DType::kF32:
+      return ElemType::kF32;
+    case DType::kBF16:
+      return ElemType::kBF16;
+    case DType::kF16:
+      return ElemType::kF16;
+    case DType::kF8E4M3:
+      return ElemType::kF8E4M3;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": unsupported dtype ", std::string(DTypeName(dtype))));
+  }
 }
 
-struct CudaMemory {
-  CudaMemory(int ordinal, size_t budget) : ordinal(ordinal), budget(budget) {}
-  int ordinal;
+// `w` already passed internal::CheckLinearWeight (so its dtype is FP8, BF16 or F32).
+WeightDesc DescOf(const LinearWeight& w) {
+  WeightDesc d;
+  d.data = w.data;
+  d.scale_inv = w.scale_inv;
+  d.rows = w.rows;
+  d.cols = w.cols;
+  d.row_stride = w.row_stride;
+  d.scale_stride = w.scale_stride;
+  d.type = w.dtype == DType::kF8E4M3 ? ElemType::kF8E4M3
+           : w.dtype == DType::kBF16 ? ElemType::kBF16
+                                     : ElemType::kF32;
+  return d;
+}
+
+absl::Status CheckVector(const VectorWeight& v, int64_t size, const char* what) {
+  if (v.data == nullptr || v.size != size ||
+      (v.dtype != DType::kF32 && v.dtype != DType::kBF16 && v.dtype != DType::kF16)) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": expected a BF16/F16/F32 vector of ",
+                                                   size, " elements, got ", v.size));
+  }
+  return absl::OkStatus();
+}
+
+// cuBLAS takes int sizes and leading dimensions.
+bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
+
+absl::Status CheckGemmDims(std::initializer_list<int64_t> dims, const char* what) {
+  for (int64_t d : dims) {
+    if (!FitsInt(d)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": dimension or stride ", d, " exceeds cuBLAS's int range"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Returns the kernel launcher's error as Status.
+#define HMOE_LAUNCH(expr) HMOE_CUDA_RETURN_IF_ERROR(expr)
+
+// ---------------------------------------------------------------------------------- device state
+
+class CudaStream;
+
+// State shared by the device, its streams and the deleters of its buffers. Outlives all of them
+// (owned by the device; buffers and streams must not outlive the device).
+struct CudaDeviceState {
+  CudaDeviceState(int ordinal, size_t budget) : ordinal(ordinal), budget(budget) {}
+  const int ordinal;
   MemoryBudget budget;
+  absl::Mutex mu;
+  std::vector<CudaStream*> streams ABSL_GUARDED_BY(mu);
 };
 
 void FreeCudaBuffer(void* context, void* data, size_t size_bytes) {
-  auto* memory = static_cast<CudaMemory*>(context);
-  HMOE_CUDA_LOG_IF_ERROR(cudaSetDevice(memory->ordinal));
+  auto* state = static_cast<CudaDeviceState*>(context);
+  HMOE_CUDA_LOG_IF_ERROR(cudaSetDevice(state->ordinal));
+  // cudaFree waits for work using the buffer; DeviceBuffers are not freed on the hot path
+  // (per-op temporaries live in the streams' arenas).
   HMOE_CUDA_LOG_IF_ERROR(cudaFree(data));
-  memory->budget.Release(size_bytes);
+  state->budget.Release(size_bytes);
 }
+
+// ---------------------------------------------------------------------------------- streams
 
 class CudaStream final : public Stream {
  public:
-  explicit CudaStream(cudaStream_t stream) : stream_(stream) {}
-  ~CudaStream() override { HMOE_CUDA_LOG_IF_ERROR(cudaStreamDestroy(stream_)); }
-  cudaStream_t get() const { return stream_; }
+  CudaStream(CudaDeviceState& state, UniqueCudaStream stream, UniqueCublasHandle cublas)
+      : state_(state), stream_(std::move(stream)), cublas_(std::move(cublas)) {
+    absl::MutexLock lock(&state_.mu);
+    state_.streams.push_back(this);
+  }
+
+  ~CudaStream() override {
+    {
+      absl::MutexLock lock(&state_.mu);
+      state_.streams.erase(std::find(state_.streams.begin(), state_.streams.end(), this));
+    }
+    HMOE_CUDA_LOG_IF_ERROR(cudaSetDevice(state_.ordinal));
+    ReleaseScratch();
+    // cublas_ is destroyed before stream_ (reverse declaration order).
+  }
 
   absl::Status Synchronize() override {
-    HMOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+    HMOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(get()));
     return absl::OkStatus();
   }
   absl::Status WaitEvent(Event& event) override;
 
+  cudaStream_t get() const { return stream_.get(); }
+  cublasHandle_t cublas() const { return cublas_.get(); }
+
+  // A device scratch area of at least `bytes` (256-byte aligned) for the work this op enqueues
+  // on this stream; the next op on the stream may reuse it (stream order). Grows within the
+  // device budget: ResourceExhausted when it does not fit.
+  absl::StatusOr<std::byte*> Scratch(size_t bytes) {
+    if (bytes <= scratch_bytes_) return scratch_;
+    ReleaseScratch();
+    const size_t size = AlignUp(bytes + bytes / 4, kScratchGranule);
+    HMOE_RETURN_IF_ERROR(state_.budget.Reserve(size, "cuda device scratch"));
+    void* data = nullptr;
+    if (const cudaError_t err = cudaMallocAsync(&data, size, get()); err != cudaSuccess) {
+      cudaGetLastError();  // out of memory is not sticky
+      state_.budget.Release(size);
+      return absl::ResourceExhaustedError(absl::StrCat("cuda device scratch: cudaMallocAsync of ",
+                                                       size,
+                                                       " bytes failed: ", cudaGetErrorName(err)));
+    }
+    scratch_ = static_cast<std::byte*>(data);
+    scratch_bytes_ = size;
+    return scratch_;
+  }
+
  private:
-  cudaStream_t stream_;
+  void ReleaseScratch() {
+    if (scratch_ == nullptr) return;
+    // Freed in stream order: after the work already enqueued that uses it.
+    HMOE_CUDA_LOG_IF_ERROR(cudaFreeAsync(scratch_, get()));
+    state_.budget.Release(scratch_bytes_);
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+  }
+
+  CudaDeviceState& state_;
+  UniqueCudaStream stream_;
+  UniqueCublasHandle cublas_;
+  std::byte* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
 };
 
 class CudaEvent final : public Event {
  public:
-  explicit CudaEvent(cudaEvent_t event) : event_(event) {}
-  ~CudaEvent() override { HMOE_CUDA_LOG_IF_ERROR(cudaEventDestroy(event_)); }
-  cudaEvent_t get() const { return event_; }
+  explicit CudaEvent(UniqueCudaEvent event) : event_(std::move(event)) {}
+  cudaEvent_t get() const { return event_.get(); }
 
   absl::Status Record(Stream& stream) override {
-    HMOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(event_, static_cast<CudaStream&>(stream).get()));
+    HMOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(get(), static_cast<CudaStream&>(stream).get()));
     return absl::OkStatus();
   }
   absl::Status Synchronize() override {
-    HMOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
+    HMOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(get()));
     return absl::OkStatus();
   }
-  bool IsComplete() override { return cudaEventQuery(event_) == cudaSuccess; }
+  bool IsComplete() override {
+    const cudaError_t err = cudaEventQuery(get());
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) {
+      cudaGetLastError();  // "not ready" is a state, not an error: keep it out of later checks
+    } else {
+      HMOE_LOG(ERROR) << "cudaEventQuery failed: " << cudaGetErrorName(err);
+    }
+    return false;
+  }
 
  private:
-  cudaEvent_t event_;
+  UniqueCudaEvent event_;
 };
 
 absl::Status CudaStream::WaitEvent(Event& event) {
-  HMOE_CUDA_RETURN_IF_ERROR(
-      cudaStreamWaitEvent(stream_, static_cast<CudaEvent&>(event).get(), 0));
+  HMOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(get(), static_cast<CudaEvent&>(event).get(), 0));
   return absl::OkStatus();
 }
 
-cudaStream_t Raw(Stream& stream) { return static_cast<CudaStream&>(stream).get(); }
+CudaStream& Cuda(Stream& stream) { return static_cast<CudaStream&>(stream); }
+
+// ---------------------------------------------------------------------------------- GEMM
+
+// C_b = A_b B_b for b < batch, in row-major terms: C_b [n, m] (ldc) = B_b [n, k] (ldb) times
+// A_b^T, A_b [m, k] (lda) a weight. A and B are BF16 (bf16) or F32; C is F32; F32 accumulation.
+absl::Status GemmStridedBatched(cublasHandle_t handle, bool bf16, int64_t m, int64_t n, int64_t k,
+                                const void* a, int64_t lda, int64_t stride_a, const void* b,
+                                int64_t ldb, int64_t stride_b, float* c, int64_t ldc,
+                                int64_t stride_c, int64_t batch) {
+  HMOE_RETURN_IF_ERROR(CheckGemmDims({m, n, k, lda, ldb, ldc, batch}, "gemm"));
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  const cudaDataType ab = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  HMOE_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
+      handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
+      static_cast<int>(k), &alpha, a, ab, static_cast<int>(lda), stride_a, b, ab,
+      static_cast<int>(ldb), stride_b, &beta, c, CUDA_R_32F, static_cast<int>(ldc), stride_c,
+      static_cast<int>(batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+// y[t * y_stride + r] = sum_c W[r][c] x[t * x_stride + c] for t < n, r < w.rows, as planned;
+// `scratch` holds plan.bytes of the stream's arena.
+absl::Status RunLinear(CudaStream& s, const LinearPlan& plan, std::byte* scratch,
+                       const LinearWeight& w, const float* x, int64_t x_stride, int64_t n, float* y,
+                       int64_t y_stride) {
+  HMOE_RETURN_IF_ERROR(
+      CheckGemmDims({w.rows, plan.k_padded, w.row_stride, x_stride, y_stride}, "linear"));
+  const WeightDesc desc = DescOf(w);
+  const bool f32 = plan.mode == LinearMode::kF32;
+  const int64_t elem = f32 ? 4 : 2;
+  auto* xb = reinterpret_cast<uint16_t*>(scratch + plan.x_offset);
+  auto* partials = reinterpret_cast<float*>(scratch + plan.partial_offset);
+  for (int64_t t0 = 0; t0 < n; t0 += plan.token_chunk) {
+    const int64_t tn = std::min(plan.token_chunk, n - t0);
+    const void* b = x + t0 * x_stride;
+    int64_t ldb = x_stride;
+    if (!f32) {
+      HMOE_LAUNCH(cuda::LaunchF32ToBf16(x + t0 * x_stride, x_stride, tn, w.cols, xb, plan.k_padded,
+                                        plan.k_padded, s.get()));
+      b = xb;
+      ldb = plan.k_padded;
+    }
+    for (int64_t r0 = 0; r0 < w.rows; r0 += plan.row_chunk) {
+      const int64_t rn = std::min(plan.row_chunk, w.rows - r0);
+      const void* a = static_cast<const std::byte*>(w.data) + r0 * w.row_stride * elem;
+      int64_t lda = w.row_stride;
+      if (!plan.direct) {
+        const cuda::PackMode mode = plan.mode == LinearMode::kF32 ? cuda::PackMode::kF32
+                                    : plan.mode == LinearMode::kBf16
+                                        ? cuda::PackMode::kBf16
+                                        : cuda::PackMode::kFp8CodesBf16;
+        HMOE_LAUNCH(cuda::LaunchPackWeight(desc, r0, rn, plan.k_padded, scratch + plan.w_offset,
+                                           mode, s.get()));
+        a = scratch + plan.w_offset;
+        lda = plan.k_padded;
+      }
+      float* out = y + t0 * y_stride + r0;
+      if (plan.mode != LinearMode::kFp8) {
+        HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), !f32, rn, tn, w.cols, a, lda, 0, b, ldb,
+                                                0, out, y_stride, 0, 1));
+        continue;
+      }
+      // One GEMM per 128-column block: partials[blk][t][r], then the scaled sum over blocks.
+      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/true, rn, tn, 128, a, lda, 128,
+                                              b, ldb, 128, partials, rn, tn * rn, plan.num_blocks));
+      HMOE_LAUNCH(cuda::LaunchBlockScaleCombine(partials, plan.num_blocks, tn, rn, w.scale_inv,
+                                                w.scale_stride, r0, out, y_stride, s.get()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------- MLA
+
+absl::Status ValidateMla(const MlaAttentionArgs& a) {
+  const MlaDimensions& d = a.dims;
+  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
+      d.kv_lora_rank <= 0) {
+    return absl::InvalidArgumentError("mla attention: non-positive dimension");
+  }
+  if (a.q == nullptr || a.out == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
+      a.out_stride < d.num_heads * d.v_dim) {
+    return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
+  }
+  if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mla attention: ", a.w_uk_t.size(), " W_UK^T heads, expected ", d.num_heads));
+  }
+  for (const LinearWeight& w : a.w_uk_t) {
+    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(w, "mla attention W_UK^T"));
+    if (w.rows != d.kv_lora_rank || w.cols != d.nope_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("mla attention: W_UK^T is [", w.rows, ", ",
+                                                     w.cols, "], expected [", d.kv_lora_rank, ", ",
+                                                     d.nope_dim, "]"));
+    }
+    if (w.dtype != a.w_uk_t[0].dtype) {
+      return absl::InvalidArgumentError("mla attention: W_UK^T heads of different dtypes");
+    }
+  }
+  HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(a.kv_b, "mla attention kv_b"));
+  if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
+    return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+  }
+  if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
+      a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
+      a.cache.block_stride < a.cache.block_size * a.cache.row_floats) {
+    return absl::InvalidArgumentError("mla attention: bad cache view");
+  }
+  if (!a.segments.empty() && a.block_tables == nullptr) {
+    return absl::InvalidArgumentError("mla attention: no block tables");
+  }
+  for (const MlaSegment& s : a.segments) {
+    if (s.num_queries < 0 || s.start_pos < 0 || s.query_begin < 0 || s.block_table_offset < 0 ||
+        s.query_begin + s.num_queries > INT32_MAX) {
+      return absl::InvalidArgumentError("mla attention: bad segment");
+    }
+  }
+  if (d.kv_lora_rank > cuda::kMlaMaxLatent ||
+      cuda::MlaAttendSharedBytes(a.cache.row_floats) > cuda::kMlaMaxSharedBytes) {
+    return absl::UnimplementedError(absl::StrCat(
+        "mla attention on cuda: kv_lora_rank ", d.kv_lora_rank, " + rope_dim ", d.rope_dim,
+        " exceeds the kernel's limits (kv_lora_rank <= ", cuda::kMlaMaxLatent,
+        ", kv_lora_rank + rope_dim <= 782)"));
+  }
+  return absl::OkStatus();
+}
+
+// Weight-absorbed MLA (device.h MlaAttentionArgs) for both device ops:
+//   1. upload the plan (row list, tiles) and the per-head W_UK^T descriptors;
+//   2. per chunk of rows: gather q_nope and q_pe; q~ = W_UK_h^T q_nope for every head, written
+//      next to q_pe; the flash-style attention core (u); out_h = W_UV_h u; scatter the rows to
+//      `out`.
+// The projections follow CpuDevice's numerics (activations rounded to BF16 for FP8/BF16 weights,
+// FP8 summed per 128-column block then scaled, F32 accumulation). With few rows (decode) they run
+// straight from the weights (LaunchSmallLinear, batched over the heads: the weights are read once,
+// nothing is converted); otherwise W_UK^T and kv_b are first converted to compact F32 (FP8 scaled:
+// one F32 rounding of code * scale) for two strided batched F32 GEMMs over the heads.
+absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
+  HMOE_RETURN_IF_ERROR(ValidateMla(a));
+  const MlaDimensions& d = a.dims;
+  const int64_t nh = d.num_heads, dn = d.nope_dim, dr = d.rope_dim, dv = d.v_dim;
+  const int64_t rkv = d.kv_lora_rank;
+  const int64_t row_floats = rkv + dr;
+  const bool uk_round = a.w_uk_t[0].dtype != DType::kF32;
+  const bool uv_round = a.kv_b.dtype != DType::kF32;
+  const int64_t kvb_rows = nh * (dn + dv);
+
+  const int64_t row_bytes = 4 * nh * (dn + row_floats + rkv + dv);
+  const MlaPlan plan = PlanMla(a.segments, a.dims.num_heads, kCudaMlaChunkBytes / row_bytes);
+  const int64_t total_rows = static_cast<int64_t>(plan.q_rows.size());
+  if (total_rows == 0) return absl::OkStatus();
+  const int64_t chunk = std::min(plan.chunk_rows, total_rows);
+  HMOE_RETURN_IF_ERROR(CheckGemmDims({nh * dn, nh * row_floats, nh * rkv, nh * dv, chunk}, "mla"));
+  if (nh > 65535) return absl::InvalidArgumentError("mla attention: more than 65535 heads");
+  // Decode-sized calls (one chunk of few rows) read the projection weights directly.
+  const bool small = total_rows <= cuda::kSmallLinearMaxTokens;
+
+  // Host metadata: [q_rows][tiles][W_UK^T descriptors], uploaded in one copy.
+  ScratchLayout meta;
+  const size_t rows_off = meta.Add(plan.q_rows.size() * sizeof(int32_t));
+  const size_t tiles_off = meta.Add(plan.tiles.size() * sizeof(cuda::MlaTile));
+  const size_t descs_off = meta.Add(static_cast<size_t>(nh) * sizeof(WeightDesc));
+  std::vector<std::byte> host(meta.size());
+  std::memcpy(host.data() + rows_off, plan.q_rows.data(), plan.q_rows.size() * sizeof(int32_t));
+  std::memcpy(host.data() + tiles_off, plan.tiles.data(),
+              plan.tiles.size() * sizeof(cuda::MlaTile));
+  for (int64_t h = 0; h < nh; ++h) {
+    const WeightDesc desc = DescOf(a.w_uk_t[h]);
+    std::memcpy(host.data() + descs_off + h * sizeof(WeightDesc), &desc, sizeof(desc));
+  }
+
+  ScratchLayout layout;
+  const size_t meta_off = layout.Add(meta.size());
+  const size_t uk_off = small ? 0 : layout.Add(static_cast<size_t>(nh * rkv * dn * 4));
+  const size_t kvb_off = small ? 0 : layout.Add(static_cast<size_t>(kvb_rows * rkv * 4));
+  const size_t qn_off = layout.Add(static_cast<size_t>(chunk * nh * dn * 4));
+  const size_t qcat_off = layout.Add(static_cast<size_t>(chunk * nh * row_floats * 4));
+  const size_t u_off = layout.Add(static_cast<size_t>(chunk * nh * rkv * 4));
+  const size_t o_off = layout.Add(static_cast<size_t>(chunk * nh * dv * 4));
+  HMOE_ASSIGN_OR_RETURN(std::byte * scratch, s.Scratch(layout.size()));
+
+  std::byte* meta_dev = scratch + meta_off;
+  HMOE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(meta_dev, host.data(), host.size(), cudaMemcpyHostToDevice, s.get()));
+  const auto* q_rows_dev = reinterpret_cast<const int32_t*>(meta_dev + rows_off);
+  const auto* tiles_dev = reinterpret_cast<const cuda::MlaTile*>(meta_dev + tiles_off);
+  const auto* descs_dev = reinterpret_cast<const WeightDesc*>(meta_dev + descs_off);
+
+  auto* uk = reinterpret_cast<float*>(scratch + uk_off);
+  auto* kvb = reinterpret_cast<float*>(scratch + kvb_off);
+  const WeightDesc kv_b = DescOf(a.kv_b);
+  if (!small) {
+    HMOE_LAUNCH(cuda::LaunchPackWeights(descs_dev, static_cast<int>(nh), rkv * dn, uk, rkv * dn,
+                                        cuda::PackMode::kF32, s.get()));
+    HMOE_LAUNCH(cuda::LaunchPackWeight(kv_b, 0, kvb_rows, rkv, kvb, cuda::PackMode::kF32, s.get()));
+  }
+
+  cuda::MlaShape shape;
+  shape.num_heads = nh;
+  shape.nope_dim = dn;
+  shape.rope_dim = dr;
+  shape.v_dim = dv;
+  shape.kv_lora_rank = rkv;
+  shape.softmax_scale = d.softmax_scale;
+  cuda::KvCacheDesc cache;
+  cache.base = a.cache.base;
+  cache.block_size = a.cache.block_size;
+  cache.block_stride = a.cache.block_stride;
+  cache.row_floats = a.cache.row_floats;
+
+  auto* qn = reinterpret_cast<float*>(scratch + qn_off);
+  auto* qcat = reinterpret_cast<float*>(scratch + qcat_off);
+  auto* u = reinterpret_cast<float*>(scratch + u_off);
+  auto* o = reinterpret_cast<float*>(scratch + o_off);
+  for (size_t c = 0; c + 1 < plan.chunk_tiles.size(); ++c) {
+    const int64_t r0 = static_cast<int64_t>(c) * plan.chunk_rows;
+    const int64_t rn = std::min(plan.chunk_rows, total_rows - r0);
+    HMOE_LAUNCH(cuda::LaunchMlaGatherQ(a.q, a.q_stride, q_rows_dev + r0, rn, shape, qn, uk_round,
+                                       qcat, s.get()));
+    // q~[t, h, 0:Rkv] = W_UK_h^T q_nope[t, h], head h = batch entry h.
+    if (small) {
+      HMOE_LAUNCH(cuda::LaunchSmallLinear(WeightDesc{}, descs_dev, nh, 0, 0, rkv, qn, dn, nh * dn,
+                                          rn, uk_round, qcat, row_floats, nh * row_floats,
+                                          s.get()));
+    } else {
+      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/false, rkv, rn, dn, uk, dn,
+                                              rkv * dn, qn, nh * dn, dn, qcat, nh * row_floats,
+                                              row_floats, nh));
+    }
+    const int64_t t0 = plan.chunk_tiles[c];
+    HMOE_LAUNCH(cuda::LaunchMlaAttend(shape, qcat, cache, a.block_tables, tiles_dev + t0,
+                                      plan.chunk_tiles[c + 1] - t0, u, s.get()));
+    // o[t, h, :] = W_UV_h u[t, h]: W_UV_h is rows h * (dn + dv) + dn .. + dv of kv_b.
+    if (small) {
+      HMOE_LAUNCH(cuda::LaunchSmallLinear(kv_b, nullptr, nh, dn, dn + dv, dv, u, rkv, nh * rkv, rn,
+                                          uv_round, o, dv, nh * dv, s.get()));
+    } else {
+      if (uv_round) HMOE_LAUNCH(cuda::LaunchRoundToBf16(u, rn * nh * rkv, s.get()));
+      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/false, dv, rn, rkv,
+                                              kvb + dn * rkv, rkv, (dn + dv) * rkv, u, nh * rkv,
+                                              rkv, o, nh * dv, dv, nh));
+    }
+    HMOE_LAUNCH(cuda::LaunchCopyRows(o, nh * dv, nullptr, a.out, a.out_stride, q_rows_dev + r0, rn,
+                                     nh * dv, s.get()));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------- device
 
 class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, size_t budget)
-      : ordinal_(ordinal), memory_(std::make_unique<CudaMemory>(ordinal, budget)) {}
+      : ordinal_(ordinal), state_(std::make_unique<CudaDeviceState>(ordinal, budget)) {}
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   std::string name() const override { return absl::StrCat("cuda:", ordinal_); }
   bool host_accessible() const override { return false; }
 
+  // --- memory
+
   absl::StatusOr<DeviceBuffer> Allocate(size_t size_bytes) override {
     if (size_bytes == 0) return absl::InvalidArgumentError("cuda device: allocate 0 bytes");
-    HMOE_RETURN_IF_ERROR(memory_->budget.Reserve(size_bytes, "cuda device allocate"));
+    HMOE_RETURN_IF_ERROR(state_->budget.Reserve(size_bytes, "cuda device allocate"));
     return Make(size_bytes);
   }
   absl::StatusOr<DeviceBuffer> AllocateBlocking(size_t size_bytes, absl::Time deadline) override {
     if (size_bytes == 0) return absl::InvalidArgumentError("cuda device: allocate 0 bytes");
     HMOE_RETURN_IF_ERROR(
-        memory_->budget.ReserveBlocking(size_bytes, deadline, "cuda device allocate"));
+        state_->budget.ReserveBlocking(size_bytes, deadline, "cuda device allocate"));
     return Make(size_bytes);
   }
-  size_t bytes_in_use() const override { return memory_->budget.bytes_in_use(); }
-  size_t peak_bytes_in_use() const override { return memory_->budget.peak_bytes_in_use(); }
-  void ResetPeakBytes() override { memory_->budget.ResetPeak(); }
-  size_t budget_bytes() const override { return memory_->budget.budget_bytes(); }
+  size_t bytes_in_use() const override { return state_->budget.bytes_in_use(); }
+  size_t peak_bytes_in_use() const override { return state_->budget.peak_bytes_in_use(); }
+  void ResetPeakBytes() override { state_->budget.ResetPeak(); }
+  size_t budget_bytes() const override { return state_->budget.budget_bytes(); }
+
+  // --- streams and events
 
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
-    HMOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
-    cudaStream_t stream = nullptr;
-    HMOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    return std::unique_ptr<Stream>(new CudaStream(stream));
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_ASSIGN_OR_RETURN(UniqueCudaStream stream, NewCudaStream());
+    HMOE_ASSIGN_OR_RETURN(UniqueCublasHandle cublas, NewCublasHandle(stream.get()));
+    return std::unique_ptr<Stream>(new CudaStream(*state_, std::move(stream), std::move(cublas)));
   }
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
-    HMOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
-    cudaEvent_t event = nullptr;
-    HMOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    return std::unique_ptr<Event>(new CudaEvent(event));
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_ASSIGN_OR_RETURN(UniqueCudaEvent event, NewCudaEvent());
+    return std::unique_ptr<Event>(new CudaEvent(std::move(event)));
   }
+  // Waits for every stream of this device, one by one (no cudaDeviceSynchronize: other users of
+  // the GPU are not waited for).
   absl::Status Synchronize() override {
-    HMOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
-    HMOE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    HMOE_RETURN_IF_ERROR(Enter());
+    absl::MutexLock lock(&state_->mu);
+    for (CudaStream* stream : state_->streams) HMOE_RETURN_IF_ERROR(stream->Synchronize());
     return absl::OkStatus();
   }
+
+  // --- copies
 
   absl::Status CopyToDevice(Stream& s, void* dst, const void* src, size_t bytes) override {
     return Copy(s, dst, src, bytes, cudaMemcpyHostToDevice);
@@ -152,76 +570,237 @@ class CudaDevice final : public Device {
   }
   absl::Status Memset(Stream& s, void* dst, int value, size_t bytes) override {
     if (bytes == 0) return absl::OkStatus();
-    HMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, value, bytes, Raw(s)));
+    if (dst == nullptr) return absl::InvalidArgumentError("memset: null pointer");
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, value, bytes, Cuda(s).get()));
     return absl::OkStatus();
   }
 
-  absl::Status Linear(Stream&, const LinearWeight&, const float*, int64_t, int64_t, float*,
-                      int64_t) override {
-    return Unimplemented("Linear");
+  // --- compute ops
+
+  absl::Status Linear(Stream& s, const LinearWeight& w, const float* x, int64_t x_stride, int64_t n,
+                      float* y, int64_t y_stride) override {
+    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(w, "linear"));
+    if (n < 0 ||
+        (n > 0 && (x == nullptr || y == nullptr || x_stride < w.cols || y_stride < w.rows))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("linear: bad activations (n ", n, ", x_stride ", x_stride, ", y_stride ",
+                       y_stride, ") for [", w.rows, ", ", w.cols, "]"));
+    }
+    if (n == 0) return absl::OkStatus();
+    HMOE_RETURN_IF_ERROR(Enter());
+    CudaStream& cs = Cuda(s);
+    if (n <= cuda::kSmallLinearMaxTokens) {
+      // Decode: straight from the weight, no temporaries.
+      HMOE_LAUNCH(cuda::LaunchSmallLinear(DescOf(w), nullptr, 1, 0, 0, w.rows, x, 0, x_stride, n,
+                                          /*round_bf16=*/w.dtype != DType::kF32, y, 0, y_stride,
+                                          cs.get()));
+      return absl::OkStatus();
+    }
+    const LinearPlan plan = PlanLinear(w, /*f32=*/false, n);
+    std::byte* scratch = nullptr;
+    if (plan.bytes > 0) {
+      HMOE_ASSIGN_OR_RETURN(scratch, cs.Scratch(plan.bytes));
+    }
+    return RunLinear(cs, plan, scratch, w, x, x_stride, n, y, y_stride);
   }
-  absl::Status RmsNorm(Stream&, const float*, int64_t, int64_t, int64_t, const VectorWeight&,
-                       float, float*, int64_t) override {
-    return Unimplemented("RmsNorm");
+
+  absl::Status RmsNorm(Stream& s, const float* x, int64_t x_stride, int64_t n, int64_t dim,
+                       const VectorWeight& weight, float eps, float* y, int64_t y_stride) override {
+    HMOE_RETURN_IF_ERROR(CheckVector(weight, dim, "rms norm weight"));
+    if (n < 0 || dim <= 0 ||
+        (n > 0 && (x == nullptr || y == nullptr || x_stride < dim || y_stride < dim))) {
+      return absl::InvalidArgumentError("rms norm: bad arguments");
+    }
+    HMOE_ASSIGN_OR_RETURN(const ElemType type, ElemTypeOf(weight.dtype, "rms norm weight"));
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_LAUNCH(cuda::LaunchRmsNorm(x, x_stride, n, dim, weight.data, type, eps, y, y_stride,
+                                    Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status RopeInterleaved(Stream&, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                               const int32_t*, const float*, float) override {
-    return Unimplemented("RopeInterleaved");
+
+  absl::Status RopeInterleaved(Stream& s, float* x, int64_t x_stride, int64_t n, int64_t num_heads,
+                               int64_t head_stride, int64_t rope_dim, const int32_t* positions,
+                               const float* inv_freq, float attention_factor) override {
+    if (n < 0 || num_heads <= 0 || rope_dim <= 0 || rope_dim % 2 != 0 || rope_dim > 4096 ||
+        (n > 0 && (x == nullptr || positions == nullptr || inv_freq == nullptr))) {
+      return absl::InvalidArgumentError("rope: bad arguments");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_LAUNCH(cuda::LaunchRopeInterleaved(x, x_stride, n, num_heads, head_stride, rope_dim,
+                                            positions, inv_freq, attention_factor, Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status SiluMul(Stream&, const float*, const float*, int64_t, float*) override {
-    return Unimplemented("SiluMul");
+
+  absl::Status SiluMul(Stream& s, const float* gate, const float* up, int64_t count,
+                       float* out) override {
+    if (count < 0 || (count > 0 && (gate == nullptr || up == nullptr || out == nullptr))) {
+      return absl::InvalidArgumentError("silu mul: bad arguments");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_LAUNCH(cuda::LaunchSiluMul(gate, up, out, count, Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status Add(Stream&, const float*, const float*, int64_t, float*) override {
-    return Unimplemented("Add");
+
+  absl::Status Add(Stream& s, const float* a, const float* b, int64_t count, float* out) override {
+    if (count < 0 || (count > 0 && (a == nullptr || b == nullptr || out == nullptr))) {
+      return absl::InvalidArgumentError("add: bad arguments");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_LAUNCH(cuda::LaunchAdd(a, b, out, count, Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status EmbeddingGather(Stream&, const LinearWeight&, const int32_t*, int64_t,
-                               float*) override {
-    return Unimplemented("EmbeddingGather");
+
+  absl::Status EmbeddingGather(Stream& s, const LinearWeight& table, const int32_t* ids, int64_t n,
+                               float* out) override {
+    if ((table.dtype != DType::kBF16 && table.dtype != DType::kF32) || table.data == nullptr ||
+        table.rows <= 0 || table.cols <= 0 || table.row_stride < table.cols || n < 0 ||
+        (n > 0 && (ids == nullptr || out == nullptr))) {
+      return absl::InvalidArgumentError("embedding gather: bad arguments (table must be BF16/F32)");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    // Out-of-range ids cannot be reported from the device: their rows become NaN.
+    HMOE_LAUNCH(cuda::LaunchEmbeddingGather(DescOf(table), ids, n, out, Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status MoeGate(Stream&, const float*, int64_t, int64_t, const LinearWeight&,
-                       const VectorWeight&, const MoeGateParams&, int32_t*, float*) override {
-    return Unimplemented("MoeGate");
+
+  absl::Status MoeGate(Stream& s, const float* x, int64_t x_stride, int64_t n,
+                       const LinearWeight& router, const VectorWeight& bias,
+                       const MoeGateParams& params, int32_t* ids, float* weights) override {
+    const int64_t e = params.num_experts;
+    if (e <= 0 || params.top_k <= 0 || params.n_group <= 0 || e % params.n_group != 0 ||
+        params.topk_group <= 0 || params.topk_group > params.n_group ||
+        params.top_k > params.topk_group * (e / params.n_group)) {
+      return absl::InvalidArgumentError("moe gate: inconsistent parameters");
+    }
+    if ((router.dtype != DType::kBF16 && router.dtype != DType::kF32) || router.data == nullptr ||
+        router.rows != e || router.cols <= 0 || router.row_stride < router.cols) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("moe gate: router must be BF16/F32 [", e, ", hidden]"));
+    }
+    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(router, "moe gate router"));
+    ElemType bias_type = ElemType::kF32;
+    if (!bias.empty()) {
+      HMOE_RETURN_IF_ERROR(CheckVector(bias, e, "moe gate bias"));
+      HMOE_ASSIGN_OR_RETURN(bias_type, ElemTypeOf(bias.dtype, "moe gate bias"));
+    }
+    if (n < 0 || (n > 0 && (x == nullptr || ids == nullptr || weights == nullptr ||
+                            x_stride < router.cols))) {
+      return absl::InvalidArgumentError("moe gate: bad activations");
+    }
+    if (n == 0) return absl::OkStatus();
+    HMOE_RETURN_IF_ERROR(Enter());
+    CudaStream& cs = Cuda(s);
+    // Logits [n, E] in F32 math (no BF16 rounding: routing decisions are discrete), then the
+    // selection. The arena holds the logits and the GEMM's temporaries side by side.
+    const bool small = n <= cuda::kSmallLinearMaxTokens;
+    const LinearPlan plan = small ? LinearPlan{} : PlanLinear(router, /*f32=*/true, n);
+    ScratchLayout layout;
+    const size_t logits_off = layout.Add(static_cast<size_t>(n * e) * sizeof(float));
+    const size_t linear_off = layout.Add(plan.bytes);
+    HMOE_ASSIGN_OR_RETURN(std::byte * scratch, cs.Scratch(layout.size()));
+    auto* logits = reinterpret_cast<float*>(scratch + logits_off);
+    if (small) {
+      HMOE_LAUNCH(cuda::LaunchSmallLinear(DescOf(router), nullptr, 1, 0, 0, e, x, 0, x_stride, n,
+                                          /*round_bf16=*/false, logits, 0, e, cs.get()));
+    } else {
+      HMOE_RETURN_IF_ERROR(
+          RunLinear(cs, plan, scratch + linear_off, router, x, x_stride, n, logits, e));
+    }
+    kernels::MoeGateConfig config;
+    config.num_experts = e;
+    config.top_k = params.top_k;
+    config.n_group = params.n_group;
+    config.topk_group = params.topk_group;
+    config.norm_topk_prob = params.norm_topk_prob;
+    config.routed_scaling_factor = static_cast<double>(params.routed_scaling_factor);
+    HMOE_LAUNCH(cuda::LaunchMoeGateSelect(logits, e, n, bias.empty() ? nullptr : bias.data,
+                                          bias_type, config, ids, weights, cs.get()));
+    return absl::OkStatus();
   }
-  absl::Status KvCacheWrite(Stream&, const KvLayerView&, const int32_t*, int64_t, const float*,
-                            int64_t, const float*, int64_t, int64_t) override {
-    return Unimplemented("KvCacheWrite");
+
+  absl::Status KvCacheWrite(Stream& s, const KvLayerView& cache, const int32_t* slots, int64_t n,
+                            const float* latent, int64_t latent_stride, const float* k_pe,
+                            int64_t k_pe_stride, int64_t kv_lora_rank) override {
+    const int64_t rope_dim = cache.row_floats - kv_lora_rank;
+    if (cache.base == nullptr || cache.block_size <= 0 || kv_lora_rank <= 0 || rope_dim <= 0 ||
+        n < 0 || (n > 0 && (slots == nullptr || latent == nullptr || k_pe == nullptr))) {
+      return absl::InvalidArgumentError("kv cache write: bad arguments");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    cuda::KvCacheDesc desc;
+    desc.base = cache.base;
+    desc.block_size = cache.block_size;
+    desc.block_stride = cache.block_stride;
+    desc.row_floats = cache.row_floats;
+    // Negative slots (an error on the CPU) are skipped: the device cannot report them.
+    HMOE_LAUNCH(cuda::LaunchKvCacheWrite(desc, slots, n, latent, latent_stride, k_pe, k_pe_stride,
+                                         kv_lora_rank, Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status MlaDecodeAttention(Stream&, const MlaAttentionArgs&) override {
-    return Unimplemented("MlaDecodeAttention");
+
+  absl::Status MlaDecodeAttention(Stream& s, const MlaAttentionArgs& args) override {
+    HMOE_RETURN_IF_ERROR(Enter());
+    return RunMlaAttention(Cuda(s), args);
   }
-  absl::Status MlaPrefillAttention(Stream&, const MlaAttentionArgs&) override {
-    return Unimplemented("MlaPrefillAttention");
+
+  absl::Status MlaPrefillAttention(Stream& s, const MlaAttentionArgs& args) override {
+    HMOE_RETURN_IF_ERROR(Enter());
+    return RunMlaAttention(Cuda(s), args);
   }
-  absl::Status GatherRows(Stream&, const float*, int64_t, const int32_t*, int64_t, int64_t,
-                          float*, int64_t) override {
-    return Unimplemented("GatherRows");
+
+  absl::Status GatherRows(Stream& s, const float* src, int64_t src_stride, const int32_t* rows,
+                          int64_t n, int64_t cols, float* dst, int64_t dst_stride) override {
+    if (n < 0 || cols < 0 || (n > 0 && (src == nullptr || rows == nullptr || dst == nullptr))) {
+      return absl::InvalidArgumentError("gather rows: bad arguments");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_LAUNCH(cuda::LaunchCopyRows(src, src_stride, rows, dst, dst_stride, nullptr, n, cols,
+                                     Cuda(s).get()));
+    return absl::OkStatus();
   }
-  absl::Status ScatterAddRows(Stream&, const float*, int64_t, const int32_t*, const float*,
-                              int64_t, int64_t, float*, int64_t) override {
-    return Unimplemented("ScatterAddRows");
+
+  absl::Status ScatterAddRows(Stream& s, const float* src, int64_t src_stride, const int32_t* rows,
+                              const float* weights, int64_t n, int64_t cols, float* dst,
+                              int64_t dst_stride) override {
+    if (n < 0 || cols < 0 ||
+        (n > 0 && (src == nullptr || rows == nullptr || weights == nullptr || dst == nullptr))) {
+      return absl::InvalidArgumentError("scatter add rows: bad arguments");
+    }
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_LAUNCH(cuda::LaunchScatterAddRows(src, src_stride, rows, weights, n, cols, dst, dst_stride,
+                                           Cuda(s).get()));
+    return absl::OkStatus();
   }
 
  private:
+  // Makes this device current for the calling thread (cheap when it already is).
+  absl::Status Enter() const {
+    HMOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(ordinal_));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<DeviceBuffer> Make(size_t size_bytes) {
     void* data = nullptr;
-    if (cudaSetDevice(ordinal_) != cudaSuccess ||
-        cudaMalloc(&data, size_bytes) != cudaSuccess) {
-      cudaGetLastError();  // out-of-memory is not sticky
-      memory_->budget.Release(size_bytes);
+    if (cudaSetDevice(ordinal_) != cudaSuccess || cudaMalloc(&data, size_bytes) != cudaSuccess) {
+      cudaGetLastError();  // out of memory is not sticky
+      state_->budget.Release(size_bytes);
       return absl::ResourceExhaustedError(
           absl::StrCat(name(), ": cudaMalloc of ", size_bytes, " bytes failed"));
     }
-    return DeviceBuffer(data, size_bytes, &FreeCudaBuffer, memory_.get());
+    return DeviceBuffer(data, size_bytes, &FreeCudaBuffer, state_.get());
   }
 
   absl::Status Copy(Stream& s, void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return absl::OkStatus();
-    HMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, Raw(s)));
+    if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy: null pointer");
+    HMOE_RETURN_IF_ERROR(Enter());
+    HMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, Cuda(s).get()));
     return absl::OkStatus();
   }
 
   const int ordinal_;
-  std::unique_ptr<CudaMemory> memory_;
+  std::unique_ptr<CudaDeviceState> state_;
 };
 
 }  // namespace

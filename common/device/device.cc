@@ -1,12 +1,13 @@
 #include "common/device/device.h"
 
+#include <condition_variable>
+#include <mutex>
 #include <utility>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 
 #include "common/base/status_macros.h"
+#include "common/device/sync_internal.h"
 
 namespace hmoe {
 
@@ -41,37 +42,41 @@ void DeviceBuffer::Reset() {
 
 // ---------------------------------------------------------------------------------- HostEvent
 
+// std::mutex, not absl::Mutex: see common/device/sync_internal.h.
 struct HostEvent::State {
-  mutable absl::Mutex mu;
-  bool set ABSL_GUARDED_BY(mu) = false;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  bool set = false;  // guarded by mu
 };
 
 HostEvent::HostEvent() : state_(std::make_unique<State>()) {}
 HostEvent::~HostEvent() = default;
 
 void HostEvent::Set() {
-  absl::MutexLock lock(&state_->mu);
-  state_->set = true;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->set = true;
+  }
+  state_->cv.notify_all();
 }
 
 void HostEvent::Reset() {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   state_->set = false;
 }
 
 bool HostEvent::IsSet() const {
-  absl::MutexLock lock(&state_->mu);
+  std::lock_guard<std::mutex> lock(state_->mu);
   return state_->set;
 }
 
 absl::Status HostEvent::Wait(absl::Time deadline, const char* what) {
   State& s = *state_;
-  absl::MutexLock lock(&s.mu);
-  auto is_set = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.set; };
-  if (!s.mu.AwaitWithDeadline(absl::Condition(&is_set), deadline)) {
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (!internal::WaitUntil(s.cv, lock, deadline, [&s] { return s.set; })) {
     return absl::DeadlineExceededError(
-        absl::StrCat("wait for host event", what != nullptr ? " " : "",
-                     what != nullptr ? what : "", ": deadline exceeded"));
+        absl::StrCat("wait for host event", what != nullptr ? " " : "", what != nullptr ? what : "",
+                     ": deadline exceeded"));
   }
   return absl::OkStatus();
 }

@@ -86,7 +86,8 @@ class DeviceBuffer {
   void* context_ = nullptr;
 };
 
-// ---------------------------------------------------------------------------------- streams, events
+// ---------------------------------------------------------------------------------- streams,
+// events
 
 class Event;
 
@@ -370,9 +371,9 @@ class Device {
   // Writes n tokens into a paged latent cache layer: slot slots[t] (device int32[n]; see
   // KvLayerView) receives latent[t * latent_stride ..+ kv_lora_rank] then
   // k_pe[t * k_pe_stride ..+ rope_dim], with kv_lora_rank + rope_dim == cache.row_floats.
-  virtual absl::Status KvCacheWrite(Stream& stream, const KvLayerView& cache,
-                                    const int32_t* slots, int64_t n, const float* latent,
-                                    int64_t latent_stride, const float* k_pe, int64_t k_pe_stride,
+  virtual absl::Status KvCacheWrite(Stream& stream, const KvLayerView& cache, const int32_t* slots,
+                                    int64_t n, const float* latent, int64_t latent_stride,
+                                    const float* k_pe, int64_t k_pe_stride,
                                     int64_t kv_lora_rank) = 0;
 
   // MLA attention for decode: segments with few queries each (typically one token per sequence),

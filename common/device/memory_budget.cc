@@ -4,10 +4,12 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "common/device/sync_internal.h"
+
 namespace hmoe {
 
 absl::Status MemoryBudget::Reserve(size_t bytes, const char* what) {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   // Blocked requests (tickets not yet served) go first.
   if (next_ticket_ != served_ || !FitsLocked(bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -22,29 +24,28 @@ absl::Status MemoryBudget::Reserve(size_t bytes, const char* what) {
 
 absl::Status MemoryBudget::ReserveBlocking(size_t bytes, absl::Time deadline, const char* what) {
   if (bytes > budget_) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", bytes,
-                                                     " bytes exceed the whole budget of ",
-                                                     budget_, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": ", bytes, " bytes exceed the whole budget of ", budget_, " bytes"));
   }
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
-  auto ready = [this, ticket, bytes]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return served_ == ticket && FitsLocked(bytes);
-  };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
+  auto ready = [this, ticket, bytes] { return served_ == ticket && FitsLocked(bytes); };
+  if (!internal::WaitUntil(cv_, lock, deadline, ready)) {
     // Give up our place in the line. Later tickets wait for `served_` to reach them, so a
     // cancelled ticket must not block them: tickets are served in order, and a timed-out one
     // is marked by advancing past it once it is at the head.
     abandoned_.push_back(ticket);
     SkipAbandonedLocked();
-    return absl::DeadlineExceededError(absl::StrCat(
-        what, ": ", bytes, " bytes did not fit before the deadline (", in_use_, " of ", budget_,
-        " bytes in use)"));
+    cv_.notify_all();  // the next ticket may be at the head now
+    return absl::DeadlineExceededError(absl::StrCat(what, ": ", bytes,
+                                                    " bytes did not fit before the deadline (",
+                                                    in_use_, " of ", budget_, " bytes in use)"));
   }
   ++served_;
   SkipAbandonedLocked();
   in_use_ += bytes;
   peak_ = std::max(peak_, in_use_);
+  cv_.notify_all();  // the next ticket may fit as well
   return absl::OkStatus();
 }
 
@@ -64,22 +65,25 @@ void MemoryBudget::SkipAbandonedLocked() {
 }
 
 void MemoryBudget::Release(size_t bytes) {
-  absl::MutexLock lock(&mu_);
-  in_use_ -= std::min(bytes, in_use_);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    in_use_ -= std::min(bytes, in_use_);
+  }
+  cv_.notify_all();
 }
 
 size_t MemoryBudget::bytes_in_use() const {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   return in_use_;
 }
 
 size_t MemoryBudget::peak_bytes_in_use() const {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   return peak_;
 }
 
 void MemoryBudget::ResetPeak() {
-  absl::MutexLock lock(&mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   peak_ = in_use_;
 }
 

@@ -7,14 +7,14 @@
 // order (a slot becomes acquirable again when released). Thread-safe: typically the loader
 // acquires and the unloader releases.
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 #include "common/device/device.h"
@@ -24,9 +24,9 @@ namespace hmoe {
 class DeviceRingBuffer {
  public:
   struct Slot {
-    int64_t index = -1;      // 0 .. num_slots - 1
-    uint64_t sequence = 0;   // how many slots were acquired before this one
-    void* data = nullptr;    // device pointer, slot_bytes long, 256-byte aligned
+    int64_t index = -1;     // 0 .. num_slots - 1
+    uint64_t sequence = 0;  // how many slots were acquired before this one
+    void* data = nullptr;   // device pointer, slot_bytes long, 256-byte aligned
   };
 
   // slot_bytes() is `slot_bytes` rounded up to a multiple of 256.
@@ -36,30 +36,29 @@ class DeviceRingBuffer {
       Device& device, size_t slot_bytes, int64_t num_slots,
       absl::Time deadline = absl::InfinitePast());
 
-  // The next slot in ring order, waiting until it is free. DeadlineExceeded at `deadline`.
-  absl::StatusOr<Slot> Acquire(absl::Time deadline = absl::InfiniteFuture())
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // The next slot in ring order, waiting until it is free. DeadlineExceeded at `deadline` (the
+  // turn is kept: the next Acquire waits for the same slot). Concurrent acquirers take
+  // consecutive slots in an unspecified order.
+  absl::StatusOr<Slot> Acquire(absl::Time deadline = absl::InfiniteFuture());
   // Returns `slot` to the ring. FailedPrecondition when it is not currently acquired.
-  absl::Status Release(const Slot& slot) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Release(const Slot& slot);
 
   size_t slot_bytes() const { return slot_bytes_; }
   int64_t num_slots() const { return num_slots_; }
-  int64_t num_acquired() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t num_acquired() const;
 
  private:
   DeviceRingBuffer(DeviceBuffer memory, size_t slot_bytes, int64_t num_slots);
-  // Skips cancelled (timed-out) turns at the head of the line.
-  void AdvanceLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DeviceBuffer memory_;
   const size_t slot_bytes_;  // rounded up to 256
   const int64_t num_slots_;
-  mutable absl::Mutex mu_;
-  std::vector<bool> busy_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_ ABSL_GUARDED_BY(mu_) = 0;     // sequence number of the next Acquire
-  uint64_t granted_ ABSL_GUARDED_BY(mu_) = 0;  // the Acquire whose turn it is
-  std::vector<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);
-  int64_t acquired_ ABSL_GUARDED_BY(mu_) = 0;
+  // std::mutex, not absl::Mutex: see common/device/sync_internal.h. Guards everything below.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<bool> busy_;
+  uint64_t next_ = 0;  // sequence number of the next Acquire
+  int64_t acquired_ = 0;
 };
 
 }  // namespace hmoe

@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
 #include "common/base/logging.h"
@@ -38,8 +38,8 @@ absl::Status CheckSupported(const ModelConfig& c) {
         absl::StrCat("engine: hidden_act \"", c.hidden_act, "\" (only silu)"));
   }
   if (c.n_routed_experts > 0 && c.num_experts_per_tok > 8) {
-    return absl::UnimplementedError(absl::StrCat("engine: ", c.num_experts_per_tok,
-                                                 " experts per token (at most 8)"));
+    return absl::UnimplementedError(
+        absl::StrCat("engine: ", c.num_experts_per_tok, " experts per token (at most 8)"));
   }
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_hidden_layers <= 0 ||
       c.num_attention_heads <= 0 || c.kv_lora_rank <= 0 || c.qk_nope_head_dim <= 0 ||
@@ -104,7 +104,7 @@ struct Engine::Constants {
 struct MicroBatch::Scratch {
   // Attention-device buffers, [max_step_tokens, width] F32 unless noted.
   DeviceBuffer h, x, delta, cq, q, kva, attn, g, u;
-  DeviceBuffer tokens, positions, slots;  // int32 [T]
+  DeviceBuffer tokens, positions, slots;    // int32 [T]
   DeviceBuffer router_ids, router_weights;  // [T, K]
   DeviceBuffer head_rows;                   // int32 [S]
   DeviceBuffer head_x, logits;              // [S, hidden], [S, vocab]
@@ -227,8 +227,8 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
 
   if (inputs.empty()) return absl::InvalidArgumentError("step: no inputs");
   if (static_cast<int64_t>(inputs.size()) > o.max_step_sequences) {
-    return absl::InvalidArgumentError(absl::StrCat("step: ", inputs.size(),
-                                                   " sequences, at most ", o.max_step_sequences));
+    return absl::InvalidArgumentError(
+        absl::StrCat("step: ", inputs.size(), " sequences, at most ", o.max_step_sequences));
   }
   int64_t total = 0;
   KvCache* cache = nullptr;
@@ -260,8 +260,8 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
     for (size_t j = 0; j < in.tokens.size(); ++j) {
       if (in.tokens[j] < 0 || in.tokens[j] >= c.vocab_size) {
         return absl::InvalidArgumentError(absl::StrCat("step: input ", i, " token ", j, " has id ",
-                                                       in.tokens[j], ", outside [0, ",
-                                                       c.vocab_size, ")"));
+                                                       in.tokens[j], ", outside [0, ", c.vocab_size,
+                                                       ")"));
       }
     }
     const int64_t end = in.sequence->num_tokens() + static_cast<int64_t>(in.tokens.size());
@@ -339,8 +339,8 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
     HMOE_ASSIGN_OR_RETURN(sc.block_tables, AllocateArray<int32_t>(dev, capacity));
     sc.block_table_capacity = capacity;
   }
-  HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, sc.positions.data(), sc.host_positions.data(),
-                                        n * sizeof(int32_t)));
+  HMOE_RETURN_IF_ERROR(
+      dev.CopyToDevice(st, sc.positions.data(), sc.host_positions.data(), n * sizeof(int32_t)));
   HMOE_RETURN_IF_ERROR(
       dev.CopyToDevice(st, sc.slots.data(), sc.host_slots.data(), n * sizeof(int32_t)));
   HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, sc.block_tables.data(), sc.host_block_tables.data(),
@@ -358,8 +358,8 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
         static_cast<size_t>(k.hidden), embed + t * k.hidden));
   }
   if (!dev.host_accessible()) {
-    HMOE_RETURN_IF_ERROR(
-        dev.CopyToDevice(st, sc.h.data(), embed, static_cast<size_t>(n * k.hidden) * sizeof(float)));
+    HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, sc.h.data(), embed,
+                                          static_cast<size_t>(n * k.hidden) * sizeof(float)));
   }
   stats_.num_tokens = n;
   stats_.num_sequences = static_cast<int64_t>(inputs.size());
@@ -448,8 +448,7 @@ absl::Status MicroBatch::AttentionImpl(int64_t layer) {
   HMOE_RETURN_IF_ERROR(dev.RmsNorm(st, h, hd, n, hd, w.post_norm, k.eps, x, hd));
   if (engine_->config_.is_moe_layer(layer)) {
     HMOE_RETURN_IF_ERROR(dev.MoeGate(st, x, hd, n, w.router, w.router_bias, k.gate,
-                                     sc.router_ids.as<int32_t>(),
-                                     sc.router_weights.as<float>()));
+                                     sc.router_ids.as<int32_t>(), sc.router_weights.as<float>()));
   }
   return engine_->weights_->Release(id, st);
 }
@@ -512,12 +511,12 @@ namespace {
 // `expert(e)` returns expert e's weights (and is called for every expert, in id order, so a
 // streaming provider advances); `shared` (nullable) runs on all rows with weight 1.
 struct GroupedBuffers {
-  float* xg;           // [T, hidden]
-  float* g;            // [T, width]
-  float* u;            // [T, width]
-  float* yg;           // [T, hidden]
-  int32_t* rows;       // device copy of the assignment rows, then identity rows
-  float* weights;      // device copy of the assignment weights, then ones
+  float* xg;       // [T, hidden]
+  float* g;        // [T, width]
+  float* u;        // [T, width]
+  float* yg;       // [T, hidden]
+  int32_t* rows;   // device copy of the assignment rows, then identity rows
+  float* weights;  // device copy of the assignment weights, then ones
 };
 
 absl::Status RunGroupedExperts(
@@ -528,16 +527,14 @@ absl::Status RunGroupedExperts(
     int64_t* weight_bytes) {
   const int64_t pairs = static_cast<int64_t>(assign.rows.size());
   HMOE_RETURN_IF_ERROR(dev.Memset(st, out, 0, static_cast<size_t>(n * hidden) * sizeof(float)));
-  HMOE_RETURN_IF_ERROR(
-      dev.CopyToDevice(st, b.rows, assign.rows.data(), pairs * sizeof(int32_t)));
+  HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, b.rows, assign.rows.data(), pairs * sizeof(int32_t)));
   HMOE_RETURN_IF_ERROR(
       dev.CopyToDevice(st, b.weights, assign.weights.data(), pairs * sizeof(float)));
   // Identity rows and unit weights after the assignment, for the shared experts.
   std::vector<int32_t> identity(n);
   std::vector<float> ones(n, 1.0f);
   for (int64_t t = 0; t < n; ++t) identity[t] = static_cast<int32_t>(t);
-  HMOE_RETURN_IF_ERROR(
-      dev.CopyToDevice(st, b.rows + pairs, identity.data(), n * sizeof(int32_t)));
+  HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, b.rows + pairs, identity.data(), n * sizeof(int32_t)));
   HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, b.weights + pairs, ones.data(), n * sizeof(float)));
 
   auto mlp = [&](const MlpWeights& m, const float* in, int64_t rows, const int32_t* dst_rows,
@@ -598,8 +595,8 @@ absl::Status MicroBatch::ExpertsOnCpu(int64_t layer) {
     HMOE_RETURN_IF_ERROR(dev.CopyToHost(st, sc.host_x.data(), x, n * k.hidden * sizeof(float)));
     HMOE_RETURN_IF_ERROR(
         dev.CopyToHost(st, sc.host_router_ids.data(), ids, n * k.top_k * sizeof(int32_t)));
-    HMOE_RETURN_IF_ERROR(dev.CopyToHost(st, sc.host_router_weights.data(), weights,
-                                        n * k.top_k * sizeof(float)));
+    HMOE_RETURN_IF_ERROR(
+        dev.CopyToHost(st, sc.host_router_weights.data(), weights, n * k.top_k * sizeof(float)));
     HMOE_RETURN_IF_ERROR(st.Synchronize());
     x = sc.host_x.data();
     ids = sc.host_router_ids.data();
@@ -607,6 +604,7 @@ absl::Status MicroBatch::ExpertsOnCpu(int64_t layer) {
     delta = sc.host_delta.data();
   }
 
+  if (o.routing_observer) o.routing_observer(layer, n, k.top_k, ids);
   const bool use_executor = !host->parts.routed.empty() && n < o.grouped_moe_min_tokens;
   if (use_executor) {
     CpuWorkerPool* pool = engine_->pool_;
@@ -616,27 +614,26 @@ absl::Status MicroBatch::ExpertsOnCpu(int64_t layer) {
       routing.top_k = static_cast<int>(k.top_k);
       routing.ids = std::span<const int32_t>(ids + t0 * k.top_k, nt * k.top_k);
       routing.weights = std::span<const float>(weights + t0 * k.top_k, nt * k.top_k);
-      absl::MutexLock lock(&CpuPoolMutex(pool));
-      HMOE_RETURN_IF_ERROR(sc.moe->Forward(
-          host->parts, std::span<const float>(x + t0 * k.hidden, nt * k.hidden), routing,
-          std::span<float>(delta + t0 * k.hidden, nt * k.hidden)));
+      std::lock_guard<std::mutex> lock(CpuPoolMutex(pool));
+      HMOE_RETURN_IF_ERROR(
+          sc.moe->Forward(host->parts, std::span<const float>(x + t0 * k.hidden, nt * k.hidden),
+                          routing, std::span<float>(delta + t0 * k.hidden, nt * k.hidden)));
       stats_.expert_weight_bytes += sc.moe->last_weight_bytes();
     }
   } else {
     Device& hdev = *engine_->host_device_;
     sc.assignment.Build(k.gate.num_experts, n, k.top_k, ids, weights);
-    GroupedBuffers b{sc.cpu_xg.as<float>(), sc.cpu_g.as<float>(), sc.cpu_u.as<float>(),
-                     sc.cpu_yg.as<float>(), sc.cpu_rows.as<int32_t>(),
-                     sc.cpu_weights.as<float>()};
+    GroupedBuffers b{sc.cpu_xg.as<float>(), sc.cpu_g.as<float>(),      sc.cpu_u.as<float>(),
+                     sc.cpu_yg.as<float>(), sc.cpu_rows.as<int32_t>(), sc.cpu_weights.as<float>()};
     HMOE_RETURN_IF_ERROR(RunGroupedExperts(
         hdev, *sc.host_stream, sc.assignment, k.gate.num_experts, n, k.hidden, x, delta, b,
         [&](int64_t e) -> absl::StatusOr<const MlpWeights*> { return &host->routed[e]; },
-        [](int64_t) { return absl::OkStatus(); },
-        host->shared.empty() ? nullptr : &host->shared[0], &stats_.expert_weight_bytes));
+        [](int64_t) { return absl::OkStatus(); }, host->shared.empty() ? nullptr : &host->shared[0],
+        &stats_.expert_weight_bytes));
   }
   if (!dev.host_accessible()) {
-    HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, sc.delta.data(), sc.host_delta.data(),
-                                          n * k.hidden * sizeof(float)));
+    HMOE_RETURN_IF_ERROR(
+        dev.CopyToDevice(st, sc.delta.data(), sc.host_delta.data(), n * k.hidden * sizeof(float)));
   }
   return absl::OkStatus();
 }
@@ -656,6 +653,9 @@ absl::Status MicroBatch::ExpertsOnDevice(int64_t layer) {
   HMOE_RETURN_IF_ERROR(dev.CopyToHost(st, sc.host_router_weights.data(), sc.router_weights.data(),
                                       n * k.top_k * sizeof(float)));
   HMOE_RETURN_IF_ERROR(st.Synchronize());
+  if (engine_->options_.routing_observer) {
+    engine_->options_.routing_observer(layer, n, k.top_k, sc.host_router_ids.data());
+  }
   sc.assignment.Build(k.gate.num_experts, n, k.top_k, sc.host_router_ids.data(),
                       sc.host_router_weights.data());
   const int32_t l = static_cast<int32_t>(layer);
@@ -666,9 +666,12 @@ absl::Status MicroBatch::ExpertsOnDevice(int64_t layer) {
     HMOE_ASSIGN_OR_RETURN(const ModuleWeights* mw, wp.Acquire(shared_id, st));
     shared = &mw->mlp;
   }
-  GroupedBuffers b{sc.xg.as<float>(),          sc.g.as<float>(),
-                   sc.u.as<float>(),           sc.yg.as<float>(),
-                   sc.assign_rows.as<int32_t>(), sc.assign_weights.as<float>()};
+  GroupedBuffers b{sc.xg.as<float>(),
+                   sc.g.as<float>(),
+                   sc.u.as<float>(),
+                   sc.yg.as<float>(),
+                   sc.assign_rows.as<int32_t>(),
+                   sc.assign_weights.as<float>()};
   HMOE_RETURN_IF_ERROR(RunGroupedExperts(
       dev, st, sc.assignment, k.gate.num_experts, n, k.hidden, sc.x.as<float>(),
       sc.delta.as<float>(), b,
@@ -713,15 +716,20 @@ absl::StatusOr<std::vector<std::vector<float>>> MicroBatch::HeadImpl() {
   Stream& st = *stream_;
   std::vector<std::vector<float>> result(sc.inputs.size());
   const int64_t m = static_cast<int64_t>(sc.host_head_rows.size());
-  if (m == 0) return result;
+  // The head is acquired every step, logits or not, so a streaming provider sees a fixed order.
   const ModuleId id{ModuleKind::kHead, -1, -1};
   HMOE_ASSIGN_OR_RETURN(const ModuleWeights* mw, engine_->weights_->Acquire(id, st));
+  if (m == 0) {
+    HMOE_RETURN_IF_ERROR(engine_->weights_->Release(id, st));
+    HMOE_RETURN_IF_ERROR(st.Synchronize());
+    return result;
+  }
   const HeadWeights& w = mw->head;
   float* hx = sc.head_x.as<float>();
-  HMOE_RETURN_IF_ERROR(dev.GatherRows(st, sc.h.as<float>(), k.hidden, sc.head_rows.as<int32_t>(),
-                                      m, k.hidden, hx, k.hidden));
-  HMOE_RETURN_IF_ERROR(dev.RmsNorm(st, hx, k.hidden, m, k.hidden, w.final_norm, k.eps, hx,
-                                   k.hidden));
+  HMOE_RETURN_IF_ERROR(dev.GatherRows(st, sc.h.as<float>(), k.hidden, sc.head_rows.as<int32_t>(), m,
+                                      k.hidden, hx, k.hidden));
+  HMOE_RETURN_IF_ERROR(
+      dev.RmsNorm(st, hx, k.hidden, m, k.hidden, w.final_norm, k.eps, hx, k.hidden));
   HMOE_RETURN_IF_ERROR(dev.Linear(st, w.lm_head, hx, k.hidden, m, sc.logits.as<float>(), k.vocab));
   HMOE_RETURN_IF_ERROR(dev.CopyToHost(st, sc.host_logits.data(), sc.logits.data(),
                                       static_cast<size_t>(m * k.vocab) * sizeof(float)));
@@ -763,13 +771,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const ModelConfig& config
   HMOE_RETURN_IF_ERROR(CheckSupported(config));
   if (options.max_step_tokens < 1 || options.max_step_sequences < 1 ||
       options.grouped_moe_min_tokens < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "engine: bad options (max_step_tokens ", options.max_step_tokens, ", max_step_sequences ",
-        options.max_step_sequences, ", grouped_moe_min_tokens ", options.grouped_moe_min_tokens,
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engine: bad options (max_step_tokens ", options.max_step_tokens,
+                     ", max_step_sequences ", options.max_step_sequences,
+                     ", grouped_moe_min_tokens ", options.grouped_moe_min_tokens, ")"));
   }
-  std::unique_ptr<Engine> engine(
-      new Engine(config, &weights, &attention_device, &pool, options));
+  std::unique_ptr<Engine> engine(new Engine(config, &weights, &attention_device, &pool, options));
   HMOE_RETURN_IF_ERROR(engine->Init());
   return engine;
 }
@@ -871,8 +878,7 @@ absl::StatusOr<std::vector<std::vector<float>>> Engine::Forward(
       origin.push_back(i);
       room -= static_cast<int64_t>(take);
     }
-    HMOE_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
-                          forward_batch_->RunStep(step));
+    HMOE_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits, forward_batch_->RunStep(step));
     for (size_t j = 0; j < step.size(); ++j) {
       const size_t i = origin[j];
       done[i] += step[j].tokens.size();

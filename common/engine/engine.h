@@ -24,6 +24,7 @@
 // sequence do not depend on which other sequences share its step.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -65,6 +66,12 @@ struct EngineOptions {
   MoeExecutorOptions moe;
   // FP8 kernels for CPU experts; null: cpu::DefaultFp8Gemv().
   const cpu::Fp8Gemv* fp8_gemv = nullptr;
+  // When set, called for every MoE layer of every step with the router's choice in host memory:
+  // ids[t * top_k + j] for the step's rows t < num_tokens (rows in input order, each input's
+  // tokens in order). Runs on the thread driving RunFfn; must be cheap and thread-safe if several
+  // micro-batches run concurrently. For tests and expert-load statistics.
+  std::function<void(int64_t layer, int64_t num_tokens, int64_t top_k, const int32_t* ids)>
+      routing_observer;
 };
 
 // One sequence's part of a step.

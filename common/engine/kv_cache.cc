@@ -44,8 +44,7 @@ KvSequence& KvSequence::operator=(KvSequence&& other) noexcept {
 }
 
 int64_t KvSequence::capacity_tokens() const {
-  return cache_ == nullptr ? 0
-                           : static_cast<int64_t>(blocks_.size()) * cache_->config().block_size;
+  return cache_ == nullptr ? 0 : static_cast<int64_t>(blocks_.size()) * cache_->config().block_size;
 }
 
 absl::Status KvSequence::Reserve(int64_t total_tokens) {
@@ -94,17 +93,17 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(Device& device,
                                                          const KvCacheConfig& config) {
   if (config.num_layers <= 0 || config.kv_lora_rank <= 0 || config.rope_dim <= 0 ||
       config.block_size <= 0 || config.num_blocks <= 0 || config.num_blocks > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "kv cache: bad config (layers ", config.num_layers, ", kv_lora_rank ", config.kv_lora_rank,
-        ", rope_dim ", config.rope_dim, ", block_size ", config.block_size, ", blocks ",
-        config.num_blocks, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: bad config (layers ", config.num_layers, ", kv_lora_rank ",
+                     config.kv_lora_rank, ", rope_dim ", config.rope_dim, ", block_size ",
+                     config.block_size, ", blocks ", config.num_blocks, ")"));
   }
   HMOE_ASSIGN_OR_RETURN(DeviceBuffer memory, device.Allocate(config.pool_bytes()));
   return std::unique_ptr<KvCache>(new KvCache(&device, config, std::move(memory)));
 }
 
 int64_t KvCache::num_free_blocks() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(free_.size());
 }
 
@@ -119,11 +118,11 @@ KvLayerView KvCache::layer_view(int64_t layer) const {
 }
 
 absl::Status KvCache::AllocateBlocks(int64_t count, std::vector<int32_t>* out) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (count > static_cast<int64_t>(free_.size())) {
-    return absl::ResourceExhaustedError(absl::StrCat("kv cache full: ", count,
-                                                     " blocks needed, ", free_.size(), " of ",
-                                                     config_.num_blocks, " free"));
+    return absl::ResourceExhaustedError(absl::StrCat("kv cache full: ", count, " blocks needed, ",
+                                                     free_.size(), " of ", config_.num_blocks,
+                                                     " free"));
   }
   for (int64_t i = 0; i < count; ++i) {
     out->push_back(free_.back());
@@ -133,7 +132,7 @@ absl::Status KvCache::AllocateBlocks(int64_t count, std::vector<int32_t>* out) {
 }
 
 void KvCache::FreeBlocks(const std::vector<int32_t>& blocks) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) free_.push_back(*it);
 }
 
@@ -153,7 +152,8 @@ absl::Status KvCache::CopyRows(const KvSequence& seq, int64_t n, Stream& stream,
     // One copy per run of tokens contiguous in a block.
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t count = std::min(bs, n - t0);
-      float* rows = view.base + static_cast<int64_t>(seq.block_table()[t0 / bs]) * view.block_stride;
+      float* rows =
+          view.base + static_cast<int64_t>(seq.block_table()[t0 / bs]) * view.block_stride;
       std::byte* other = base + static_cast<size_t>(l * n + t0) * row_bytes;
       const size_t bytes = static_cast<size_t>(count) * row_bytes;
       if (space == MemorySpace::kDevice) {

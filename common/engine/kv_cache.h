@@ -22,12 +22,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 
 #include "common/device/device.h"
 #include "common/model/model_config.h"
@@ -44,8 +43,7 @@ struct KvCacheConfig {
   int64_t row_floats() const { return kv_lora_rank + rope_dim; }
   // Bytes of device memory the pool takes.
   size_t pool_bytes() const {
-    return static_cast<size_t>(num_layers * num_blocks * block_size * row_floats()) *
-           sizeof(float);
+    return static_cast<size_t>(num_layers * num_blocks * block_size * row_floats()) * sizeof(float);
   }
   // The dimensions of `model` (num_hidden_layers, kv_lora_rank, qk_rope_head_dim).
   static KvCacheConfig ForModel(const ModelConfig& model, int64_t num_blocks,
@@ -111,7 +109,7 @@ class KvCache {
 
   const KvCacheConfig& config() const { return config_; }
   Device& device() const { return *device_; }
-  int64_t num_free_blocks() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t num_free_blocks() const;
   int64_t num_blocks() const { return config_.num_blocks; }
 
   // An empty sequence of this cache.
@@ -138,8 +136,8 @@ class KvCache {
   KvCache(Device* device, const KvCacheConfig& config, DeviceBuffer memory);
 
   // All-or-nothing allocation of `count` blocks appended to `out`.
-  absl::Status AllocateBlocks(int64_t count, std::vector<int32_t>* out) ABSL_LOCKS_EXCLUDED(mu_);
-  void FreeBlocks(const std::vector<int32_t>& blocks) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AllocateBlocks(int64_t count, std::vector<int32_t>* out);
+  void FreeBlocks(const std::vector<int32_t>& blocks);
   // Copies the rows of `seq`'s tokens [0, n) of every layer to/from a hand-off buffer.
   absl::Status CopyRows(const KvSequence& seq, int64_t n, Stream& stream, void* flat,
                         MemorySpace space, bool to_flat);
@@ -147,8 +145,9 @@ class KvCache {
   Device* device_;
   KvCacheConfig config_;
   DeviceBuffer memory_;
-  mutable absl::Mutex mu_;
-  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);  // stack of free block indices
+  // std::mutex, not absl::Mutex: see common/device/sync_internal.h.
+  mutable std::mutex mu_;
+  std::vector<int32_t> free_;  // guarded by mu_: stack of free block indices
 };
 
 }  // namespace hmoe

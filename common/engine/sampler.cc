@@ -51,8 +51,8 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
         absl::StrCat("sampling: min_p ", p.min_p, " must be in [0, 1]"));
   }
   if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty)) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: repetition_penalty ",
-                                                   p.repetition_penalty, " must be > 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: repetition_penalty ", p.repetition_penalty, " must be > 0"));
   }
   if (!std::isfinite(p.presence_penalty)) {
     return absl::InvalidArgumentError("sampling: presence_penalty must be finite");

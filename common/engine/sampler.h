@@ -30,10 +30,10 @@
 namespace hmoe {
 
 struct SamplingParams {
-  float temperature = 0.0f;  // 0: greedy
-  int32_t top_k = 0;         // 0: off
-  float top_p = 1.0f;        // (0, 1]; 1: off
-  float min_p = 0.0f;        // [0, 1]; 0: off
+  float temperature = 0.0f;         // 0: greedy
+  int32_t top_k = 0;                // 0: off
+  float top_p = 1.0f;               // (0, 1]; 1: off
+  float min_p = 0.0f;               // [0, 1]; 0: off
   float repetition_penalty = 1.0f;  // > 0; 1: off
   float presence_penalty = 0.0f;    // 0: off (may be negative)
   uint64_t seed = 0;

@@ -54,8 +54,8 @@ std::string ModuleName(const ModuleId& id) {
 absl::StatusOr<LinearWeight> LinearWeightOf(const Weight& w) {
   const TensorView& t = w.tensor;
   if (t.shape.empty() || t.shape.size() > 2 || t.data == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weight ", t.name, ": expected a 1-D or 2-D tensor, got ", ShapeString(t.shape)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weight ", t.name, ": expected a 1-D or 2-D tensor, got ", ShapeString(t.shape)));
   }
   LinearWeight lw;
   lw.dtype = t.dtype;
@@ -72,9 +72,8 @@ absl::StatusOr<LinearWeight> LinearWeightOf(const Weight& w) {
       const TensorView& s = w.scale_inv;
       const std::vector<int64_t> want = ScaleInvShape(t.shape);
       if (!w.has_scale || s.dtype != DType::kF32 || s.shape != want || s.data == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat("weight ", t.name,
-                                                       ": FP8 without an F32 scale tensor of ",
-                                                       ShapeString(want)));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "weight ", t.name, ": FP8 without an F32 scale tensor of ", ShapeString(want)));
       }
       if (reinterpret_cast<uintptr_t>(s.data) % alignof(float) != 0) {
         return absl::InvalidArgumentError(
@@ -102,8 +101,8 @@ absl::StatusOr<LinearWeight> LinearWeightOf(const Weight& w) {
 absl::StatusOr<VectorWeight> VectorWeightOf(const TensorView& t) {
   if (t.shape.size() != 1 || t.data == nullptr ||
       (t.dtype != DType::kBF16 && t.dtype != DType::kF16 && t.dtype != DType::kF32)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name,
-                                                   ": expected a 1-D BF16/F16/F32 vector"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", t.name, ": expected a 1-D BF16/F16/F32 vector"));
   }
   return VectorWeight{t.dtype, t.data, t.shape[0]};
 }
@@ -149,9 +148,9 @@ absl::StatusOr<AbsorbedUk> PrepareAbsorbedUk(const ModelConfig& config, const We
           std::memcpy(d, s, elem);  // exact transpose (FP8 codes, BF16 or F32 values)
         } else {
           // FP8 with unaligned heads: dequantize to F32.
-          const float value = Fp8E4M3ToFloat(static_cast<uint8_t>(*s)) *
-                              w.scale_inv[((row0 + i) / kFp8BlockSize) * w.scale_stride +
-                                          r / kFp8BlockSize];
+          const float value =
+              Fp8E4M3ToFloat(static_cast<uint8_t>(*s)) *
+              w.scale_inv[((row0 + i) / kFp8BlockSize) * w.scale_stride + r / kFp8BlockSize];
           std::memcpy(d, &value, sizeof(value));
         }
       }
@@ -183,8 +182,8 @@ absl::StatusOr<AbsorbedUk> PrepareAbsorbedUk(const ModelConfig& config, const We
 struct ResidentWeights::Layer {
   bool is_moe = false;
   ModuleWeights attention;
-  ModuleWeights dense;                 // !is_moe
-  ModuleWeights shared;                // is_moe && has_shared
+  ModuleWeights dense;   // !is_moe
+  ModuleWeights shared;  // is_moe && has_shared
   bool has_shared = false;
   std::vector<ModuleWeights> experts;  // is_moe (device views)
   HostMoeWeights host;                 // is_moe
@@ -239,8 +238,8 @@ absl::StatusOr<VectorWeight> ResidentWeights::Place(Device& device, Stream& stre
   return out;
 }
 
-absl::Status ResidentWeights::Load(const ModelConfig& c, const WeightSource& source,
-                                   Device& device, const ResidentWeightsOptions& options) {
+absl::Status ResidentWeights::Load(const ModelConfig& c, const WeightSource& source, Device& device,
+                                   const ResidentWeightsOptions& options) {
   copy_ = options.copy_to_device || !device.host_accessible();
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.CreateStream());
   Stream& s = *stream;

@@ -22,7 +22,8 @@
 // layer l: kAttention(l), then either kDenseMlp(l), or, when experts run on the attention device
 // (ExpertPlacement::kDevice), kSharedExperts(l) (if any) and kRoutedExpert(l, e) for EVERY
 // e = 0..E-1 in increasing order (experts no token chose are acquired and released at once, so a
-// ring buffer advances in a fixed order); finally kHead. With experts on the CPU (the default),
+// ring buffer advances in a fixed order); finally kHead (every step, even when no sequence wants
+// logits). With experts on the CPU (the default),
 // routed and shared experts are read from host_moe(l) and never acquired.
 
 #include <cstdint>

@@ -97,10 +97,10 @@ class ShmKvImporter final : public KvImporter {
     }
     if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
       ::close(fd);
-      return absl::PermissionDeniedError(absl::StrCat(
-          "kv hand-off segment ", path, " must be owned by uid ", ::geteuid(),
-          " and not accessible to group/others (uid ", st.st_uid, ", mode ",
-          absl::StrFormat("%04o", st.st_mode & 0777), ")"));
+      return absl::PermissionDeniedError(
+          absl::StrCat("kv hand-off segment ", path, " must be owned by uid ", ::geteuid(),
+                       " and not accessible to group/others (uid ", st.st_uid, ", mode ",
+                       absl::StrFormat("%04o", st.st_mode & 0777), ")"));
     }
     const auto size = static_cast<size_t>(st.st_size);
     if (size < sizeof(KvHandoffHeader)) {
@@ -187,8 +187,8 @@ absl::Status ValidateKvHandoffName(std::string_view name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                     c == '_' || c == '-' || c == '.';
     if (!ok) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv_handle.shm_name: \"", std::string(name), "\" has characters outside [A-Za-z0-9_.-]"));
+      return absl::InvalidArgumentError(absl::StrCat("kv_handle.shm_name: \"", std::string(name),
+                                                     "\" has characters outside [A-Za-z0-9_.-]"));
     }
   }
   if (name == "." || name == "..") {

@@ -89,8 +89,8 @@ class KvHandoffSegment {
  public:
   // Creates /dev/shm/<name> (0600) sized for `num_tokens` tokens of `shape` and writes the header.
   // AlreadyExists when the name is taken; InvalidArgument for a bad name or num_tokens < 1.
-  static absl::StatusOr<KvHandoffSegment> Create(std::string_view name,
-                                                 const KvHandoffShape& shape, int64_t num_tokens);
+  static absl::StatusOr<KvHandoffSegment> Create(std::string_view name, const KvHandoffShape& shape,
+                                                 int64_t num_tokens);
   // Unlinks the name (existing mappings stay valid). NotFound when it does not exist.
   static absl::Status Remove(std::string_view name);
 
@@ -119,10 +119,10 @@ class KvHandoffSegment {
 struct KvHandleSpec {
   enum class Kind { kShm, kCudaIpc };
   Kind kind = Kind::kShm;
-  std::string shm_name;          // kShm
-  std::string cuda_ipc_handle;   // kCudaIpc: the raw cudaIpcMemHandle_t bytes
-  int64_t num_tokens = 0;        // what the caller says the buffer holds
-  uint32_t layout_version = 0;   // what the caller says the layout is
+  std::string shm_name;         // kShm
+  std::string cuda_ipc_handle;  // kCudaIpc: the raw cudaIpcMemHandle_t bytes
+  int64_t num_tokens = 0;       // what the caller says the buffer holds
+  uint32_t layout_version = 0;  // what the caller says the layout is
 };
 
 // An opened, validated hand-off buffer. The payload stays readable until the object is

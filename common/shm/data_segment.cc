@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+
 #include "common/base/logging.h"
 
 #ifndef SHM_HUGE_SHIFT
@@ -144,8 +145,9 @@ absl::StatusOr<DataSegment> DataSegment::Create(uint64_t size_bytes, HugePageMod
       backing = PageBacking::kShmemThp;
       note(absl::StrCat("shmem with MADV_HUGEPAGE (shmem_enabled=", setting, ")"));
     } else {
-      note(absl::StrCat("shmem with MADV_HUGEPAGE advice, but the kernel ignores it (shmem_enabled=",
-                        setting.empty() ? "unknown" : setting, "): normal pages"));
+      note(
+          absl::StrCat("shmem with MADV_HUGEPAGE advice, but the kernel ignores it (shmem_enabled=",
+                       setting.empty() ? "unknown" : setting, "): normal pages"));
     }
   }
   const uint64_t size = RoundUp(size_bytes, advise ? k2MiB : 4096);
@@ -178,8 +180,7 @@ absl::StatusOr<DataSegment> DataSegment::Create(uint64_t size_bytes, HugePageMod
   // /dev/shm without room fails here, before a long load; should it fill up later, write(2)
   // reports ENOSPC (nothing stores through the mapping, so there is no SIGBUS).
   struct statvfs vfs {};
-  if (::fstatvfs(fd, &vfs) == 0 &&
-      static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize < size) {
+  if (::fstatvfs(fd, &vfs) == 0 && static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize < size) {
     ::shm_unlink(file_name.c_str());
     return absl::ResourceExhaustedError(
         absl::StrCat("/dev/shm has ", static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize,
@@ -303,9 +304,10 @@ DataSegment::~DataSegment() { Release(); }
 
 void DataSegment::Release() {
   if (data_ != nullptr) {
-    const int rc = handle_.kind == SegmentKind::kSysvHugetlb ? ::shmdt(data_)
-                                                             : ::munmap(data_, size_);
-    if (rc != 0) HMOE_LOG(WARNING) << "unmap " << handle_.ToString() << ": " << std::strerror(errno);
+    const int rc =
+        handle_.kind == SegmentKind::kSysvHugetlb ? ::shmdt(data_) : ::munmap(data_, size_);
+    if (rc != 0)
+      HMOE_LOG(WARNING) << "unmap " << handle_.ToString() << ": " << std::strerror(errno);
   }
   data_ = nullptr;
   if (fd_ >= 0) ::close(fd_);

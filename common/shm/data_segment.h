@@ -26,6 +26,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+
 #include "common/shm/hugepages.h"
 #include "common/shm/numa_placement.h"
 

@@ -127,8 +127,8 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Attach(std::string_vie
     if (manifest.segments[i].used_bytes > slot.size_bytes) {
       return absl::DataLossError(absl::StrCat(what, " is smaller than its manifest layout"));
     }
-    absl::StatusOr<DataSegment> seg =
-        DataSegment::AttachReadOnly(handle, slot.size_bytes, static_cast<PageBacking>(slot.backing));
+    absl::StatusOr<DataSegment> seg = DataSegment::AttachReadOnly(
+        handle, slot.size_bytes, static_cast<PageBacking>(slot.backing));
     if (!seg.ok()) return Annotate(seg.status(), what);
     // The mapped object must be the one we checked (a rename race would show a new inode).
     if (seg->instance_id() != slot.instance_id) {

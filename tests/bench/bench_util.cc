@@ -42,6 +42,29 @@ __attribute__((noipa, target("avx512f"))) float ReadSumAvx512(const std::byte* p
   return out[0];
 }
 
+__attribute__((noipa, target("avx512f"))) float ReadSumStreamsAvx512(const std::byte* p,
+                                                                     size_t bytes) {
+  constexpr int kStreams = 8;
+  constexpr size_t kAhead = 1024;
+  __m512 a[kStreams];
+  for (__m512& v : a) v = _mm512_setzero_ps();
+  const size_t part = bytes / kStreams / 128 * 128;
+  for (size_t i = 0; i < part; i += 128) {
+    for (int s = 0; s < kStreams; ++s) {
+      const std::byte* q = p + s * part + i;
+      _mm_prefetch(reinterpret_cast<const char*>(q + kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + kAhead + 64), _MM_HINT_T0);
+      a[s] = _mm512_add_ps(a[s],
+                           _mm512_add_ps(_mm512_load_ps(reinterpret_cast<const float*>(q)),
+                                         _mm512_load_ps(reinterpret_cast<const float*>(q + 64))));
+    }
+  }
+  for (int s = 1; s < kStreams; ++s) a[0] = _mm512_add_ps(a[0], a[s]);
+  alignas(64) float out[16];
+  _mm512_store_ps(out, a[0]);
+  return out[0];
+}
+
 __attribute__((noipa, target("avx2"))) float ReadSumAvx2(const std::byte* p, size_t bytes) {
   __m256 a[8];
   for (__m256& v : a) v = _mm256_setzero_ps();
@@ -94,6 +117,11 @@ float ReadSum(const std::byte* p, size_t bytes) {
   return kAvx512 ? ReadSumAvx512(p, bytes) : ReadSumAvx2(p, bytes);
 }
 
+float ReadSumStreams(const std::byte* p, size_t bytes) {
+  static const bool kAvx512 = __builtin_cpu_supports("avx512f");
+  return kAvx512 ? ReadSumStreamsAvx512(p, bytes) : ReadSumAvx2(p, bytes);
+}
+
 CpuWorkerPool& PoolForThreads(int threads) {
   static std::mutex mu;
   static std::map<int, std::unique_ptr<CpuWorkerPool>> pools;
@@ -134,6 +162,16 @@ double TimedReadGBps(CpuWorkerPool& pool, const std::byte* p, size_t bytes) {
   const size_t part = bytes / n / 512 * 512;
   std::vector<float> sink(n);
   const double seconds = TimedRun(pool, [&](int t) { sink[t] = ReadSum(p + t * part, part); });
+  g_sink = g_sink + sink[0];
+  return static_cast<double>(part * n) / seconds * 1e-9;
+}
+
+double TimedReadStreamsGBps(CpuWorkerPool& pool, const std::byte* p, size_t bytes) {
+  const int n = pool.num_threads();
+  const size_t part = bytes / n / 1024 * 1024;
+  std::vector<float> sink(n);
+  const double seconds =
+      TimedRun(pool, [&](int t) { sink[t] = ReadSumStreams(p + t * part, part); });
   g_sink = g_sink + sink[0];
   return static_cast<double>(part * n) / seconds * 1e-9;
 }

@@ -82,7 +82,7 @@ struct FakeOptions {
 
 // One step as the fake saw it.
 struct StepRecord {
-  int batch = 0;                     // which StepBatch (creation order)
+  int batch = 0;                      // which StepBatch (creation order)
   std::vector<int64_t> token_counts;  // per input
 };
 
@@ -349,18 +349,22 @@ class FakeStepBatch final : public StepBatch {
     engine_->batch_active_[index_] = false;
   }
 
-  // With the probe on and another micro-batch active, waits (up to 2 s) until it has entered
-  // RunAttention(layer), i.e. until its attention of this layer overlaps this RunFfn.
+  // With the probe on, waits (up to 2 s) until every other micro-batch has entered
+  // RunAttention(layer) of this same step (or finished it): a serial runner never gets there, an
+  // overlapping one gets there while this RunFfn is in progress (counted as an overlap).
   void Probe(int64_t layer) {
     absl::MutexLock lock(&engine_->mu_);
     if (!engine_->probe_) return;
+    const int64_t my_step = engine_->batch_step_[index_];
     for (int b = 0; b < engine_->num_batches_; ++b) {
-      if (b == index_ || !engine_->batch_active_[b]) continue;
-      auto reached = [this, b, layer]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return engine_->attention_layer_[b] >= layer || !engine_->batch_active_[b];
+      if (b == index_) continue;
+      auto reached = [this, b, layer, my_step]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        const int64_t step = engine_->batch_step_[b];
+        return step > my_step || (step == my_step && (engine_->attention_layer_[b] >= layer ||
+                                                      !engine_->batch_active_[b]));
       };
       if (engine_->mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(2))) {
-        if (engine_->batch_active_[b]) ++engine_->overlaps_;
+        if (engine_->batch_step_[b] == my_step && engine_->batch_active_[b]) ++engine_->overlaps_;
       } else {
         ++engine_->probe_timeouts_;
       }

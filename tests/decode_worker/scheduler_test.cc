@@ -77,6 +77,13 @@ GenerationRequest Greedy(std::string id, std::vector<int32_t> prompt, int max_ne
   return r;
 }
 
+// The fake's steps hold 64 tokens: chunks of 8 plus a batch of up to 6 fit.
+SchedulerOptions SmallChunks() {
+  SchedulerOptions o;
+  o.chunk_size = 8;
+  return o;
+}
+
 std::unique_ptr<Scheduler> MakeScheduler(FakeStepEngine& engine, SchedulerOptions options) {
   absl::StatusOr<std::unique_ptr<Scheduler>> s = Scheduler::Create(engine, options);
   EXPECT_TRUE(s.ok()) << s.status();
@@ -89,7 +96,7 @@ class SchedulerModeTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(SchedulerModeTest, MixedBatchOfSixMatchesGreedyReference) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.batch_size = 6;
   options.chunk_size = 8;
   options.dual_batch = GetParam();
@@ -138,7 +145,7 @@ TEST_P(SchedulerModeTest, SeededSamplingIsTheSameWithAndWithoutOtherRequests) {
   // A sampled request's tokens depend on its seed and its logits only, not on the batch.
   auto run = [&](bool with_others) {
     FakeStepEngine engine;
-    SchedulerOptions options;
+    SchedulerOptions options = SmallChunks();
     options.chunk_size = 4;
     options.dual_batch = GetParam();
     std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
@@ -171,7 +178,7 @@ INSTANTIATE_TEST_SUITE_P(DualBatch, SchedulerModeTest, ::testing::Bool(),
 
 TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.chunk_size = 5;
   options.dual_batch = false;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
@@ -204,13 +211,13 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
     EXPECT_LE(multi, 1) << "two prefill chunks in one step";
     prefill_inputs += multi;
   }
-  EXPECT_EQ(prefill_inputs, 5);
+  EXPECT_EQ(prefill_inputs, 6);  // the short prompt's chunk and the long one's five
   EXPECT_EQ(scheduler->stats().prompt_tokens_prefilled, 25);
 }
 
 TEST(SchedulerTest, RunningBatchNeverExceedsBatchSize) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.batch_size = 3;
   options.chunk_size = 4;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
@@ -233,7 +240,7 @@ TEST(SchedulerTest, KvAdmissionWaitsForBlocksInFifoOrder) {
   fo.block_tokens = 4;
   fo.num_blocks = 10;  // 40 tokens: two requests of 5 + 15 = 20 tokens at a time
   FakeStepEngine engine(fo);
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.chunk_size = 8;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
   std::vector<std::shared_ptr<RequestChannel>> channels;
@@ -256,7 +263,7 @@ TEST(SchedulerTest, RequestLargerThanThePoolIsResourceExhausted) {
   fo.block_tokens = 4;
   fo.num_blocks = 4;  // 16 tokens
   FakeStepEngine engine(fo);
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   auto ch = scheduler->Submit(Greedy("big", Prompt(10, 1), 7));
   EXPECT_TRUE(absl::IsResourceExhausted(ch.status())) << ch.status();
   EXPECT_NE(ch.status().message().find("kv cache"), std::string::npos) << ch.status();
@@ -268,7 +275,7 @@ TEST(SchedulerTest, RequestLargerThanThePoolIsResourceExhausted) {
 
 TEST(SchedulerTest, FullWaitingQueueIsResourceExhausted) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.batch_size = 1;
   options.max_waiting = 2;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
@@ -290,7 +297,7 @@ TEST(SchedulerTest, FullWaitingQueueIsResourceExhausted) {
 
 TEST(SchedulerTest, StopTokenEndsTheRequestAndIsNotStreamed) {
   FakeStepEngine engine;
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   const std::vector<int32_t> want = FakeGreedy(Prompt(6, 9), 20, 97);
   GenerationRequest r = Greedy("s", Prompt(6, 9), 20);
   r.sampling.stop_token_ids = {want[4]};
@@ -309,7 +316,7 @@ TEST(SchedulerTest, EosEndsTheRequestUnlessIgnored) {
   FakeOptions fo;
   fo.eos = {want[2]};
   FakeStepEngine engine(fo);
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   GenerationRequest r = Greedy("e", Prompt(4, 5), 10);
   r.sampling.ignore_eos = false;
   auto ch = scheduler->Submit(std::move(r));
@@ -331,7 +338,7 @@ TEST(SchedulerTest, EosEndsTheRequestUnlessIgnored) {
 
 TEST(SchedulerTest, CancelFreesKvAtTheNextStepBoundary) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.batch_size = 1;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
   engine.HoldSteps();
@@ -361,7 +368,7 @@ TEST(SchedulerTest, CancelFreesKvAtTheNextStepBoundary) {
 
 TEST(SchedulerTest, FailedStepFailsItsRequestsAndOthersContinue) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.dual_batch = false;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
   auto good = scheduler->Submit(Greedy("good", Prompt(3, 1), 4));
@@ -387,7 +394,7 @@ TEST(SchedulerTest, BadRequestsAreInvalidArgumentNamingTheField) {
   FakeOptions fo;
   fo.max_context = 64;
   FakeStepEngine engine(fo);
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   struct Case {
     GenerationRequest request;
     std::string field;
@@ -416,7 +423,7 @@ TEST(SchedulerTest, BadRequestsAreInvalidArgumentNamingTheField) {
 
 TEST(SchedulerTest, DuplicateIdIsAlreadyExistsAndDrainingIsUnavailable) {
   FakeStepEngine engine;
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   engine.HoldSteps();
   auto a = scheduler->Submit(Greedy("same", Prompt(3, 1), 2));
   ASSERT_TRUE(a.ok());
@@ -432,7 +439,7 @@ TEST(SchedulerTest, DuplicateIdIsAlreadyExistsAndDrainingIsUnavailable) {
 
 TEST(SchedulerTest, ShutdownCancelsInFlightRequests) {
   FakeStepEngine engine;
-  SchedulerOptions options;
+  SchedulerOptions options = SmallChunks();
   options.batch_size = 1;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
   engine.HoldSteps();
@@ -494,7 +501,7 @@ class KvImportTest : public ::testing::Test {
 
 TEST_F(KvImportTest, ImportedCacheContinuesLikeAPrefill) {
   FakeStepEngine engine;
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   const std::vector<int32_t> prompt = Prompt(11, 4);
   const std::vector<int32_t> all = FakeGreedy(prompt, 8, 97);  // what a local prefill gives
   const std::string name = Write("a", prompt, engine.kv_handoff_shape());
@@ -531,7 +538,7 @@ TEST_F(KvImportTest, ImportedCacheContinuesLikeAPrefill) {
 
 TEST_F(KvImportTest, FirstTokenThatStopsFinishesAtOnce) {
   FakeStepEngine engine;
-  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, {});
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, SmallChunks());
   const std::string name = Write("b", Prompt(4, 1), engine.kv_handoff_shape());
   KvHandleSpec spec;
   spec.shm_name = name;

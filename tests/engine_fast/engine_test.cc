@@ -8,180 +8,30 @@
 // token agreement rule of issue #8: with the reference's token fed back (teacher forcing), the
 // engine's arg-max equals the reference's at every step, except at steps where the reference's
 // top-2 logit margin is below kMarginTolerance * RMS(ref) (the test checks this).
+//
+// Routing flips. Expert selection is discrete: when two experts (or, with group-limited routing,
+// two groups) are nearly tied in the reference, the BF16 path may pick the other one, and that
+// token's hidden state then differs by a whole expert's contribution. The decode test observes
+// the engine's routing (EngineOptions::routing_observer) and compares it with the reference's
+// (ForwardTrace): at a step whose token was routed differently the logits and token are exempt;
+// steps after a flip (whose context holds the flipped token's KV) use kLogitToleranceAfterFlip;
+// flips must stay rare.
 
-#include <unistd.h>
+#include "common/engine/engine.h"
 
 #include <algorithm>
-#include <cmath>
 #include <filesystem>
 #include <memory>
-#include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include <gtest/gtest.h>
 
-#include "common/base/logging.h"
-#include "common/device/cpu_device.h"
-#include "common/device/device.h"
-#include "common/engine/engine.h"
-#include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
-#include "common/engine/reference/reference_model.h"
-#include "common/engine/weights.h"
-#include "common/model/checkpoint.h"
-#include "tools/model_writer.h"
+#include "tests/engine_fast/engine_test_util.h"
 
-namespace hmoe {
+namespace hmoe::engine_test {
 namespace {
-
-constexpr double kLogitTolerance = 0.03;
-constexpr double kMarginTolerance = 0.06;
-
-double Rms(const std::vector<float>& v) {
-  double s = 0.0;
-  for (float x : v) s += static_cast<double>(x) * x;
-  return std::sqrt(s / std::max<size_t>(1, v.size()));
-}
-
-double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0.0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
-  }
-  return m;
-}
-
-// max |a - b| relative to RMS(reference).
-double RelMaxDiff(const std::vector<float>& got, const std::vector<float>& ref) {
-  return MaxAbsDiff(got, ref) / std::max(Rms(ref), 1e-12);
-}
-
-int32_t ArgMax(const std::vector<float>& v) {
-  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
-}
-
-// Top-1 minus top-2 logit.
-double TopMargin(const std::vector<float>& v) {
-  std::vector<float> s = v;
-  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
-  return s[0] - s[1];
-}
-
-std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> dist(0, vocab - 1);
-  std::vector<int32_t> t(n);
-  for (int32_t& x : t) x = dist(rng);
-  return t;
-}
-
-// A checkpoint written once per process into a temp directory.
-struct Model {
-  std::string dir;
-  std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<reference::ReferenceModel> reference;
-};
-
-std::unique_ptr<Model> WriteAndOpen(const std::string& name, ModelPreset preset, bool fp8) {
-  auto m = std::make_unique<Model>();
-  m->dir = absl::StrCat(::testing::TempDir(), "hmoe_engine_test_", getpid(), "_", name);
-  WriteOptions options;
-  options.fp8 = fp8;
-  options.force = true;
-  options.num_threads = 1;
-  absl::Status written = WriteModel(preset, m->dir, options);
-  EXPECT_TRUE(written.ok()) << written;
-  auto checkpoint = Checkpoint::Open(m->dir);
-  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
-  if (!checkpoint.ok()) return nullptr;
-  m->checkpoint = std::move(*checkpoint);
-  auto reference = reference::ReferenceModel::Create(m->checkpoint->config(), *m->checkpoint);
-  EXPECT_TRUE(reference.ok()) << reference.status();
-  if (!reference.ok()) return nullptr;
-  m->reference = std::move(*reference);
-  // The checkpoint's shards stay mapped; the files are no longer needed.
-  std::error_code ignored;
-  std::filesystem::remove_all(m->dir, ignored);
-  return m;
-}
-
-Model& Tiny() {
-  static Model* const model = [] {
-    auto preset = GetPreset("tiny");
-    HMOE_CHECK_OK(preset.status());
-    return WriteAndOpen("tiny", *preset, /*fp8=*/true).release();
-  }();
-  return *model;
-}
-
-CpuWorkerPool& Pool() {
-  static CpuWorkerPool* const pool = [] {
-    CpuWorkerPoolOptions options;
-    options.num_nodes = 1;
-    options.threads_per_node = 2;
-    options.pin_threads = false;
-    auto p = CpuWorkerPool::Create(options);
-    HMOE_CHECK_OK(p.status());
-    return p->release();
-  }();
-  return *pool;
-}
-
-// Everything one engine needs.
-struct Rig {
-  std::unique_ptr<Device> device;
-  std::unique_ptr<ResidentWeights> weights;
-  std::unique_ptr<Engine> engine;
-  std::unique_ptr<KvCache> cache;
-
-  static std::unique_ptr<Rig> Make(const Model& model, EngineOptions options = {},
-                                   int64_t num_blocks = 64, int64_t block_size = 16,
-                                   ResidentWeightsOptions weight_options = {},
-                                   CpuDeviceOptions device_options = {}) {
-    auto rig = std::make_unique<Rig>();
-    if (device_options.pool == nullptr) device_options.pool = &Pool();
-    rig->device = NewCpuDevice(device_options);
-    const ModelConfig& config = model.checkpoint->config();
-    weight_options.moe_parts = Pool().num_nodes();
-    auto weights =
-        ResidentWeights::Create(config, *model.checkpoint, *rig->device, weight_options);
-    EXPECT_TRUE(weights.ok()) << weights.status();
-    if (!weights.ok()) return nullptr;
-    rig->weights = std::move(*weights);
-    auto engine = Engine::Create(config, *rig->weights, *rig->device, Pool(), options);
-    EXPECT_TRUE(engine.ok()) << engine.status();
-    if (!engine.ok()) return nullptr;
-    rig->engine = std::move(*engine);
-    auto cache = KvCache::Create(*rig->device,
-                                 KvCacheConfig::ForModel(config, num_blocks, block_size));
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    if (!cache.ok()) return nullptr;
-    rig->cache = std::move(*cache);
-    return rig;
-  }
-
-  // Runs one input and returns its logits.
-  std::vector<float> Run(KvSequence& seq, std::span<const int32_t> tokens) {
-    SequenceInput in{&seq, tokens, true};
-    auto out = engine->Forward(std::span<const SequenceInput>(&in, 1));
-    EXPECT_TRUE(out.ok()) << out.status();
-    if (!out.ok()) return {};
-    return (*out)[0];
-  }
-};
-
-// Reference logits of the last token after running `tokens` (fresh cache).
-std::vector<float> ReferenceLast(const Model& model, std::span<const int32_t> tokens) {
-  reference::ReferenceKvCache cache = model.reference->NewCache();
-  auto logits = model.reference->Forward(tokens, cache);
-  EXPECT_TRUE(logits.ok()) << logits.status();
-  const int64_t vocab = model.checkpoint->config().vocab_size;
-  return std::vector<float>(logits->end() - vocab, logits->end());
-}
 
 // ---------------------------------------------------------------------------------- tests
 
@@ -199,82 +49,85 @@ TEST(EngineTest, PrefillLogitsMatchReference) {
 
 TEST(EngineTest, DecodeLogitsAndGreedyTokensMatchReference) {
   Model& model = Tiny();
-  auto rig = Rig::Make(model);
+  const ModelConfig& config = model.checkpoint->config();
+  // The engine's routing of every position, recorded through the observer.
+  std::vector<std::vector<std::vector<int32_t>>> engine_routing(config.num_hidden_layers);
+  int64_t next_position = 0;
+  EngineOptions options;
+  options.routing_observer = [&](int64_t layer, int64_t n, int64_t top_k, const int32_t* ids) {
+    for (int64_t t = 0; t < n; ++t) {
+      std::vector<int32_t> set(ids + t * top_k, ids + (t + 1) * top_k);
+      std::sort(set.begin(), set.end());
+      const int64_t pos = next_position + t;
+      if (static_cast<int64_t>(engine_routing[layer].size()) <= pos) {
+        engine_routing[layer].resize(pos + 1);
+      }
+      engine_routing[layer][pos] = std::move(set);
+    }
+  };
+  auto rig = Rig::Make(model, options);
   ASSERT_NE(rig, nullptr);
   const std::vector<int32_t> prompt = RandomTokens(12, 2, 1000);
   constexpr int kSteps = 64;
-  // Reference greedy run with the logits of every step.
+  // Reference greedy run with the logits of every step, and its routing of every position.
   std::vector<std::vector<float>> ref_logits;
   auto ref_tokens = reference::GenerateGreedy(*model.reference, prompt, kSteps, &ref_logits);
   ASSERT_TRUE(ref_tokens.ok()) << ref_tokens.status();
+  std::vector<int32_t> sequence = prompt;
+  sequence.insert(sequence.end(), ref_tokens->begin(), ref_tokens->end() - 1);
+  reference::ReferenceKvCache ref_cache = model.reference->NewCache();
+  reference::ForwardTrace trace;
+  ASSERT_TRUE(model.reference->Forward(sequence, ref_cache, &trace).ok());
 
+  // Teacher forcing: the engine is fed the reference's tokens, so every step stays comparable.
   KvSequence seq = rig->cache->NewSequence();
   std::vector<float> logits = rig->Run(seq, prompt);
-  double worst = 0.0;
-  int disagreements = 0;
+  next_position = static_cast<int64_t>(prompt.size());
+  auto flipped = [&](int64_t pos) {
+    for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+      if (!config.is_moe_layer(l)) continue;
+      std::vector<int32_t> want = trace.routing[l][pos].experts;
+      std::sort(want.begin(), want.end());
+      if (engine_routing[l][pos] != want) return true;
+    }
+    return false;
+  };
+  int flips = 0;
+  bool contaminated = false;  // a routing flip happened at or before this position
+  double worst_clean = 0.0;
   for (int step = 0; step < kSteps; ++step) {
+    const int64_t pos = static_cast<int64_t>(prompt.size()) + step - 1;  // last token fed
+    const bool flip_here = step == 0 ? [&] {
+      bool any = false;
+      for (int64_t p = 0; p <= pos; ++p) any = any || flipped(p);
+      return any;
+    }()
+                                     : flipped(pos);
+    flips += flip_here;
+    contaminated = contaminated || flip_here;
     const std::vector<float>& want = ref_logits[step];
-    worst = std::max(worst, RelMaxDiff(logits, want));
-    if (ArgMax(logits) != (*ref_tokens)[step]) {
+    const double diff = RelMaxDiff(logits, want);
+    const bool agree = ArgMax(logits) == (*ref_tokens)[step];
+    if (!contaminated) {
+      worst_clean = std::max(worst_clean, diff);
+      EXPECT_LE(diff, kLogitTolerance) << "step " << step;
+    } else if (!flip_here) {
+      EXPECT_LE(diff, kLogitToleranceAfterFlip) << "step " << step;
+    }
+    if (!agree && !flip_here) {
       // Token agreement rule: a divergence only where the reference itself is nearly tied.
-      ++disagreements;
       EXPECT_LT(TopMargin(want), kMarginTolerance * Rms(want))
           << "step " << step << ": engine " << ArgMax(logits) << ", reference "
           << (*ref_tokens)[step];
     }
-    // Teacher forcing: feed the reference's token so every step stays comparable.
     const int32_t next = (*ref_tokens)[step];
     logits = rig->Run(seq, std::span<const int32_t>(&next, 1));
+    next_position = seq.num_tokens();
   }
-  EXPECT_LE(worst, kLogitTolerance);
-  RecordProperty("worst_rel_logit_diff", absl::StrCat(worst));
-  RecordProperty("disagreements", disagreements);
-}
-
-TEST(EngineTest, BatchedDecodeEqualsEachSequenceAlone) {
-  Model& model = Tiny();
-  auto rig = Rig::Make(model);
-  ASSERT_NE(rig, nullptr);
-  const std::vector<std::vector<int32_t>> prompts = {
-      RandomTokens(5, 10, 1000), RandomTokens(23, 11, 1000), RandomTokens(1, 12, 1000),
-      RandomTokens(40, 13, 1000)};
-  constexpr int kSteps = 4;
-  const size_t count = prompts.size();
-
-  // Alone: each sequence by itself, feeding fixed next tokens.
-  std::vector<std::vector<std::vector<float>>> alone(count);
-  for (size_t i = 0; i < count; ++i) {
-    KvSequence seq = rig->cache->NewSequence();
-    alone[i].push_back(rig->Run(seq, prompts[i]));
-    for (int s = 0; s < kSteps; ++s) {
-      const int32_t next = static_cast<int32_t>((i * 31 + s * 7) % 1000);
-      alone[i].push_back(rig->Run(seq, std::span<const int32_t>(&next, 1)));
-    }
-  }
-  // Batched: prefill together, then decode steps of all sequences together.
-  std::vector<KvSequence> seqs;
-  for (size_t i = 0; i < count; ++i) seqs.push_back(rig->cache->NewSequence());
-  std::vector<SequenceInput> inputs;
-  for (size_t i = 0; i < count; ++i) inputs.push_back({&seqs[i], prompts[i], true});
-  auto out = rig->engine->Forward(inputs);
-  ASSERT_TRUE(out.ok()) << out.status();
-  for (size_t i = 0; i < count; ++i) {
-    EXPECT_LE(RelMaxDiff((*out)[i], alone[i][0]), 1e-3) << "prefill of sequence " << i;
-  }
-  std::vector<int32_t> next(count);
-  for (int s = 0; s < kSteps; ++s) {
-    inputs.clear();
-    for (size_t i = 0; i < count; ++i) {
-      next[i] = static_cast<int32_t>((i * 31 + s * 7) % 1000);
-      inputs.push_back({&seqs[i], std::span<const int32_t>(&next[i], 1), true});
-    }
-    out = rig->engine->Forward(inputs);
-    ASSERT_TRUE(out.ok()) << out.status();
-    for (size_t i = 0; i < count; ++i) {
-      // Decode batches use the same kernels per token: equal to F32 rounding.
-      EXPECT_LE(RelMaxDiff((*out)[i], alone[i][s + 1]), 1e-4) << "step " << s << " seq " << i;
-    }
-  }
+  // Routing near-ties are rare; each one is a discrete change the BF16 path may not reproduce.
+  EXPECT_LE(flips, 4);
+  RecordProperty("routing_flips", flips);
+  RecordProperty("worst_clean_rel_logit_diff", absl::StrCat(worst_clean));
 }
 
 TEST(EngineTest, ChunkedPrefillEqualsOnePrefill) {
@@ -334,8 +187,8 @@ TEST(EngineTest, KvExportImportRoundTrip) {
   ASSERT_TRUE(rig->cache->Export(seq, **stream, flat.data(), MemorySpace::kHost).ok());
 
   // Import into a cache with another block size, on the same device (the engine's).
-  auto other = KvCache::Create(*rig->device,
-                               KvCacheConfig::ForModel(model.checkpoint->config(), 16, 64));
+  auto other =
+      KvCache::Create(*rig->device, KvCacheConfig::ForModel(model.checkpoint->config(), 16, 64));
   ASSERT_TRUE(other.ok()) << other.status();
   KvSequence imported = (*other)->NewSequence();
   ASSERT_TRUE((*other)->Import(imported, 29, **stream, flat.data(), MemorySpace::kHost).ok());
@@ -433,62 +286,9 @@ TEST(EngineTest, DeviceCopiesUnderABudgetMatchInPlace) {
   EXPECT_EQ(rig->Run(a, prompt), in_place->Run(b, prompt));
   // A budget too small for the weights fails with ResourceExhausted.
   auto device = NewCpuDevice({.budget_bytes = 1 << 20, .pool = &Pool()});
-  auto weights = ResidentWeights::Create(model.checkpoint->config(), *model.checkpoint, *device,
-                                         copy);
+  auto weights =
+      ResidentWeights::Create(model.checkpoint->config(), *model.checkpoint, *device, copy);
   EXPECT_EQ(weights.status().code(), absl::StatusCode::kResourceExhausted);
-}
-
-// Dual-batch stepping: micro-batch A's attention runs on one thread while B's FFN runs on
-// another (then the roles swap), as the decode worker does; results equal sequential runs.
-TEST(EngineThreadsTest, DualBatchOverlapEqualsSequential) {
-  Model& model = Tiny();
-  auto rig = Rig::Make(model);
-  ASSERT_NE(rig, nullptr);
-  const int64_t layers = model.checkpoint->config().num_hidden_layers;
-  const std::vector<int32_t> pa = RandomTokens(6, 20, 1000);
-  const std::vector<int32_t> pb = RandomTokens(9, 21, 1000);
-
-  KvSequence sa = rig->cache->NewSequence();
-  KvSequence sb = rig->cache->NewSequence();
-  const std::vector<float> want_a = rig->Run(sa, pa);
-  const std::vector<float> want_b = rig->Run(sb, pb);
-  const int32_t ta = 7, tb = 8;
-  const std::vector<float> want_a2 = rig->Run(sa, std::span<const int32_t>(&ta, 1));
-  const std::vector<float> want_b2 = rig->Run(sb, std::span<const int32_t>(&tb, 1));
-
-  KvSequence ca = rig->cache->NewSequence();
-  KvSequence cb = rig->cache->NewSequence();
-  auto ma = rig->engine->NewMicroBatch();
-  auto mb = rig->engine->NewMicroBatch();
-  ASSERT_TRUE(ma.ok() && mb.ok());
-  for (int round = 0; round < 2; ++round) {
-    std::vector<int32_t> a_tokens = round == 0 ? pa : std::vector<int32_t>{ta};
-    std::vector<int32_t> b_tokens = round == 0 ? pb : std::vector<int32_t>{tb};
-    SequenceInput ia{&ca, a_tokens, true};
-    SequenceInput ib{&cb, b_tokens, true};
-    ASSERT_TRUE((*ma)->BeginStep(std::span<const SequenceInput>(&ia, 1)).ok());
-    ASSERT_TRUE((*mb)->BeginStep(std::span<const SequenceInput>(&ib, 1)).ok());
-    // Pipeline: A.attn(l) || B.ffn(l-1), then A.ffn(l) || B.attn(l).
-    absl::Status sa_status, sb_status;
-    ASSERT_TRUE((*ma)->RunAttention(0).ok());
-    for (int64_t l = 0; l < layers; ++l) {
-      std::thread other([&] { sb_status = (*mb)->RunAttention(l); });
-      sa_status = (*ma)->RunFfn(l);
-      other.join();
-      ASSERT_TRUE(sa_status.ok()) << sa_status;
-      ASSERT_TRUE(sb_status.ok()) << sb_status;
-      std::thread other2([&] { sb_status = (*mb)->RunFfn(l); });
-      if (l + 1 < layers) sa_status = (*ma)->RunAttention(l + 1);
-      other2.join();
-      ASSERT_TRUE(sa_status.ok()) << sa_status;
-      ASSERT_TRUE(sb_status.ok()) << sb_status;
-    }
-    auto la = (*ma)->FinishStep();
-    auto lb = (*mb)->FinishStep();
-    ASSERT_TRUE(la.ok() && lb.ok());
-    EXPECT_EQ((*la)[0], round == 0 ? want_a : want_a2);
-    EXPECT_EQ((*lb)[0], round == 0 ? want_b : want_b2);
-  }
 }
 
 // Engines on other checkpoints: BF16 weights (grouped expert path, BF16 kernels), and heads
@@ -524,9 +324,8 @@ TEST(EngineTest, BlockAlignedHeadsUseFp8AbsorbedWeights) {
   ASSERT_NE(model, nullptr);
   auto rig = Rig::Make(*model);
   ASSERT_NE(rig, nullptr);
-  auto module = rig->weights->Acquire({ModuleKind::kAttention, 0, -1}, *rig->engine->device()
-                                                                            .CreateStream()
-                                                                            .value());
+  auto module = rig->weights->Acquire({ModuleKind::kAttention, 0, -1},
+                                      *rig->engine->device().CreateStream().value());
   ASSERT_TRUE(module.ok());
   ASSERT_EQ((*module)->attention.w_uk_t.size(), 2u);
   EXPECT_EQ((*module)->attention.w_uk_t[0].dtype, DType::kF8E4M3);
@@ -541,4 +340,4 @@ TEST(EngineTest, BlockAlignedHeadsUseFp8AbsorbedWeights) {
 }
 
 }  // namespace
-}  // namespace hmoe
+}  // namespace hmoe::engine_test

@@ -121,10 +121,12 @@ RefResult ReferenceFp64(const Fp8MatrixView& w, const std::vector<float>& x, int
   return r;
 }
 
-std::unique_ptr<Fp8Gemv> MakeOrNull(CpuIsa isa, int64_t prefetch_bytes = -1) {
+std::unique_ptr<Fp8Gemv> MakeOrNull(CpuIsa isa, int64_t prefetch_bytes = -1, bool linear = false) {
   if (!CpuSupports(isa)) return nullptr;
   Fp8GemvOptions options;
+  options.prefetch = prefetch_bytes != -2;
   options.prefetch_bytes = prefetch_bytes;
+  options.prefetch_linear = linear;
   auto gemv = NewFp8Gemv(isa, options);
   EXPECT_TRUE(gemv.ok()) << gemv.status();
   return gemv.ok() ? std::move(*gemv) : nullptr;
@@ -269,8 +271,8 @@ TEST_P(Fp8GemvVariantTest, PrefetchDistanceDoesNotChangeResults) {
   const TestMatrix w = RandomMatrix(300, 520, rng);
   const std::vector<float> x = RandomActivations(2, 520, rng);
   std::vector<float> first;
-  for (int64_t pf : {0, 64, 4096, 1 << 20}) {
-    const std::unique_ptr<Fp8Gemv> g = MakeOrNull(GetParam(), pf);
+  for (int64_t pf : {-2 /* off */, 0, 64, 4096, 1 << 20}) {
+    const std::unique_ptr<Fp8Gemv> g = MakeOrNull(GetParam(), pf, /*linear=*/pf == 64);
     ASSERT_NE(g, nullptr);
     const Packed p = PackAll(*g, x, 2, 520);
     std::vector<float> y(2 * 300);
@@ -332,7 +334,7 @@ TEST(Fp8GemvRealShapeTest, EverySimdVariantWithin1e5OfFp64) {
     }
     EXPECT_LT(worst, 1e-5) << CpuIsaName(isa);
     RecordProperty(absl::StrCat("worst_relative_error_", std::string(CpuIsaName(isa))),
-                   std::to_string(worst));
+                   absl::StrCat(worst));
     ++tested;
   }
   if (tested == 0) GTEST_SKIP() << "no SIMD variant on this CPU";

@@ -1,6 +1,7 @@
 // GPU kernels against the CPU reference. Label "gpu": skipped where no device is visible.
 #include "common/kernels/cuda/cuda_kernels.h"
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -81,6 +82,99 @@ TEST_F(CudaKernelsTest, SiluMulMatchesCpu) {
   cudaFree(d_g);
   cudaFree(d_u);
   cudaFree(d_o);
+}
+
+TEST_F(CudaKernelsTest, PackWeightWritesExactFp8CodesAndZeroPadding) {
+  // Rows 128..255 of a 300 x 200 FP8 weight, padded to 256 columns: unscaled codes as BF16.
+  const int64_t rows = 300, cols = 200, out_cols = 256;
+  std::vector<uint8_t> w(rows * cols);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<uint8_t>((i * 37) % 0x7e);
+  std::vector<float> scales(3 * 2, 3.0f);
+  WeightDesc desc;
+  desc.data = DeviceCopy(w);
+  desc.scale_inv = DeviceCopy(scales);
+  desc.rows = rows;
+  desc.cols = cols;
+  desc.row_stride = cols;
+  desc.scale_stride = 2;
+  desc.type = kernels::ElemType::kF8E4M3;
+  uint16_t* d_out = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_out), 128 * out_cols * 2), cudaSuccess);
+  ASSERT_EQ(LaunchPackWeight(desc, 128, 128, out_cols, d_out, PackMode::kFp8CodesBf16, nullptr),
+            cudaSuccess);
+  std::vector<uint16_t> out(128 * out_cols);
+  ASSERT_EQ(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int64_t r = 0; r < 128; ++r) {
+    for (int64_t c = 0; c < out_cols; ++c) {
+      const float want = c < cols ? Fp8E4M3ToFloat(w[(128 + r) * cols + c]) : 0.0f;
+      ASSERT_EQ(Bf16ToFloat(out[r * out_cols + c]), want) << r << "," << c;
+    }
+  }
+  cudaFree(const_cast<void*>(desc.data));
+  cudaFree(const_cast<float*>(desc.scale_inv));
+  cudaFree(d_out);
+}
+
+TEST_F(CudaKernelsTest, BlockScaleCombineScalesEachBlockSum) {
+  // 3 blocks of partial sums for 2 tokens x 130 rows (rows 128.. use the second scale row).
+  const int64_t blocks = 3, tokens = 2, rows = 130;
+  std::vector<float> partials(blocks * tokens * rows);
+  for (size_t i = 0; i < partials.size(); ++i) partials[i] = static_cast<float>(i % 17) - 8.0f;
+  const std::vector<float> scales = {1, 2, 4, 8, 16, 32};  // 2 row blocks x 3 column blocks
+  float* d_y = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d_y), tokens * (rows + 1) * 4), cudaSuccess);
+  ASSERT_EQ(LaunchBlockScaleCombine(DeviceCopy(partials), blocks, tokens, rows, DeviceCopy(scales),
+                                    3, 0, d_y, rows + 1, nullptr),
+            cudaSuccess);
+  std::vector<float> y(tokens * (rows + 1));
+  ASSERT_EQ(cudaMemcpy(y.data(), d_y, y.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float want = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        want += scales[(r / 128) * 3 + b] * partials[b * tokens * rows + t * rows + r];
+      }
+      ASSERT_EQ(y[t * (rows + 1) + r], want) << t << "," << r;
+    }
+  }
+  cudaFree(d_y);
+}
+
+// Argument checks happen on the host before any launch, so they run without a GPU.
+TEST(CudaLaunchersTest, RejectUnsupportedShapesAndSkipEmptyWork) {
+  MlaShape shape;
+  shape.num_heads = 1;
+  shape.nope_dim = 8;
+  shape.rope_dim = 64;
+  shape.v_dim = 8;
+  shape.kv_lora_rank = 2048;  // > kMlaMaxLatent
+  KvCacheDesc cache;
+  cache.row_floats = 2048 + 64;
+  MlaTile tile;
+  EXPECT_EQ(LaunchMlaAttend(shape, nullptr, cache, nullptr, &tile, 1, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchRopeInterleaved(nullptr, 8, 1, 1, 8, 7, nullptr, nullptr, 1.0f, nullptr),
+            cudaErrorInvalidValue);
+  kernels::MoeGateConfig gate;
+  gate.num_experts = 10;
+  gate.n_group = 3;  // E % n_group != 0
+  gate.top_k = 2;
+  EXPECT_EQ(LaunchMoeGateSelect(nullptr, 10, 1, nullptr, kernels::ElemType::kF32, gate, nullptr,
+                                nullptr, nullptr),
+            cudaErrorInvalidValue);
+  WeightDesc bf16;
+  bf16.type = kernels::ElemType::kBF16;
+  bf16.cols = 4;
+  EXPECT_EQ(LaunchPackWeight(bf16, 0, 1, 4, nullptr, PackMode::kFp8CodesBf16, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchF32ToBf16(nullptr, 8, 1, 8, nullptr, 4, 4, nullptr), cudaErrorInvalidValue);
+  // Nothing to do: no launch, success.
+  EXPECT_EQ(LaunchAdd(nullptr, nullptr, nullptr, 0, nullptr), cudaSuccess);
+  EXPECT_EQ(LaunchMlaAttend(shape, nullptr, cache, nullptr, nullptr, 0, nullptr, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(
+      LaunchRmsNorm(nullptr, 8, 0, 8, nullptr, kernels::ElemType::kF32, 1e-6f, nullptr, 8, nullptr),
+      cudaSuccess);
 }
 
 }  // namespace

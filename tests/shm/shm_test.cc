@@ -39,6 +39,7 @@ template <typename Fn>
 int SignalOfChild(Fn fn) {
   const pid_t pid = ::fork();
   if (pid == 0) {
+    ::signal(SIGSEGV, SIG_DFL);  // Sanitizers install their own handler; we want the signal.
     fn();
     ::_exit(0);
   }

@@ -57,6 +57,7 @@ shm_pss_kb() {  # Pss of the SysV shm mappings of PID
 echo "model: $MODEL ($(du -sb "$MODEL" | cut -f1) bytes on disk)"
 echo "machine: $(nproc) vCPU, $(awk '/MemTotal/ {print $2}' /proc/meminfo) kB, kernel $(uname -r)"
 echo "shmem THP: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled)"
+echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg) (the machine is shared)"
 
 # ---------------------------------------------------------------- load throughput vs cp
 cat "$MODEL"/*.safetensors > /dev/null  # Page cache warm for both.
@@ -138,7 +139,7 @@ for p in "$WEIGHTD_PID" "${workers[@]}"; do
   total=$(( total + pss ))
   shm=$(( shm + s ))
 done
-tensor_total=$(awk '{ s += $0 } END { print s }' < <(python3 - "$m" <<'PY'
+tensor_total=$(python3 - "$m" <<'PY'
 import json, os, struct, sys
 d = sys.argv[1]
 total = 0
@@ -152,13 +153,36 @@ for f in sorted(os.listdir(d)):
                     total += v["data_offsets"][1] - v["data_offsets"][0]
 print(total)
 PY
-))
+)
 printf "  sum Pss %d kB = %.3f x checkpoint tensor bytes (%d); weight segments alone %.3f x\n" \
   "$total" "$(echo "$total * 1024 / $tensor_total" | bc -l)" "$tensor_total" \
   "$(echo "$shm * 1024 / $tensor_total" | bc -l)"
 for p in "${workers[@]}"; do kill -TERM "$p"; wait "$p" || true; done
 stop_weightd
 
+done
+
+# ---------------------------------------------------------------- restart after kill -9
+echo
+echo "== kill -9 weightd while a worker holds the mappings, then start it again"
+for m in "$@"; do
+  "$WEIGHTD" --model "$m" --instance "$INSTANCE" 2> "$WORK/first.log" &
+  first=$!
+  PIDS+=("$first")
+  "$INSPECT" --instance "$INSTANCE" --wait-ready-seconds 900 > /dev/null
+  "$INSPECT" --instance "$INSTANCE" --touch --hold > "$WORK/held.out" &
+  held=$!
+  PIDS+=("$held")
+  until grep -q holding "$WORK/held.out"; do sleep 0.05; done
+  kill -9 "$first"
+  wait "$first" || true
+  start_weightd "$m"
+  out=$("$INSPECT" --instance "$INSTANCE" --status)
+  printf "  %-30s %s\n" "$m" "$(echo "$out" | head -1)"
+  grep -o "adopted generation.*" "$WORK/weightd.log" | sed 's/^/    log: /'
+  kill -TERM "$held"
+  wait "$held" || true
+  stop_weightd
 done
 
 # ---------------------------------------------------------------- attach time

@@ -61,6 +61,10 @@ class WeightDaemonTest : public ::testing::Test {
     model_ = dir_.File("model");
     ASSERT_TRUE(WriteTestCheckpoint(model_).ok());
     instance_ = UniqueInstanceName("wdtest");
+    // Lock files go to a private runtime dir that the temp dir removes.
+    const std::string run = dir_.File("run");
+    ASSERT_EQ(::mkdir(run.c_str(), 0700), 0);
+    ASSERT_EQ(::setenv("HMOE_RUNTIME_DIR", run.c_str(), 1), 0);
   }
   void TearDown() override {
     absl::Status s = shm::RemoveInstance(instance_);

@@ -166,6 +166,7 @@ TEST_F(WeightdProcessTest, TwoWorkerProcessesSeeEveryTensorByteAndCannotWrite) {
   auto* target = const_cast<volatile std::byte*>(t->data);
   const pid_t pid = ::fork();
   if (pid == 0) {
+    ::signal(SIGSEGV, SIG_DFL);  // Sanitizers install their own handler; we want the signal.
     target[0] = std::byte{0x5a};
     ::_exit(0);
   }

@@ -72,13 +72,17 @@ absl::StatusOr<std::unique_ptr<Bf16Gemv>> NewBf16Gemv(CpuIsa isa) {
   if (isa == CpuIsa::kAvx512Bf16 && CpuSupports(isa)) {
     return std::unique_ptr<Bf16Gemv>(internal::NewAvx512Bf16Bf16Gemv());
   }
-  return absl::UnavailableError(absl::StrCat("bf16 gemv: no ", std::string(CpuIsaName(isa)),
-                                             " variant on this CPU"));
+  if (isa == CpuIsa::kAvx512 && CpuSupports(isa)) {
+    return std::unique_ptr<Bf16Gemv>(internal::NewAvx512Bf16Gemv());
+  }
+  return absl::UnavailableError(
+      absl::StrCat("bf16 gemv: no ", std::string(CpuIsaName(isa)), " variant on this CPU"));
 }
 
 const Bf16Gemv& DefaultBf16Gemv() {
   static const Bf16Gemv* const kDefault = [] {
-    const CpuIsa isa = BestCpuIsa() == CpuIsa::kAvx512Bf16 ? CpuIsa::kAvx512Bf16 : CpuIsa::kScalar;
+    const CpuIsa best = BestCpuIsa();
+    const CpuIsa isa = best == CpuIsa::kAvx2 ? CpuIsa::kScalar : best;
     absl::StatusOr<std::unique_ptr<Bf16Gemv>> gemv = NewBf16Gemv(isa);
     HMOE_CHECK_OK(gemv.status());
     return gemv->release();

@@ -9,8 +9,9 @@
 //
 // with the activation rounded to BF16 (round to nearest even) and the products accumulated in
 // F32 in an order that depends on the variant (results agree to F32 rounding, not bitwise).
-// Variants: a scalar reference and AVX-512 BF16 (vdpbf16ps, which flushes BF16 subnormals to
-// zero). Kernels never start threads: callers split the rows into ranges.
+// Variants: a scalar reference, AVX-512 F/BW (each BF16 pair widened to exact F32, FMAs) and
+// AVX-512 BF16 (vdpbf16ps, which flushes BF16 subnormals to zero). Kernels never start threads:
+// callers split the rows into ranges.
 
 #include <cstddef>
 #include <cstdint>
@@ -49,8 +50,7 @@ class Bf16Gemv {
   // y[t * y_stride + (m - m_begin)] = (W x_t)[m] for t in [0, n), m in [m_begin, m_end), with x_t
   // packed at packed + t * packed_stride. 1 <= n <= kMaxMatVecTokens.
   virtual void MatVec(const Bf16MatrixView& w, const std::byte* packed, int64_t packed_stride,
-                      int n, int64_t m_begin, int64_t m_end, float* y,
-                      int64_t y_stride) const = 0;
+                      int n, int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const = 0;
 
   // Any number of tokens n >= 1; weight rows are reused from cache across token groups.
   void GemmRows(const Bf16MatrixView& w, const std::byte* packed, int64_t packed_stride, int64_t n,
@@ -60,14 +60,15 @@ class Bf16Gemv {
   Bf16Gemv();
 };
 
-// kScalar always; kAvx512Bf16 when supported; Unavailable otherwise (kAvx2/kAvx512 have no
-// BF16 variant of their own: use the scalar one or kAvx512Bf16).
+// kScalar always; kAvx512 / kAvx512Bf16 when supported; Unavailable otherwise (there is no AVX2
+// variant: such CPUs use the scalar one).
 absl::StatusOr<std::unique_ptr<Bf16Gemv>> NewBf16Gemv(CpuIsa isa);
 // The fastest variant for BestCpuIsa(). Never null; lives forever.
 const Bf16Gemv& DefaultBf16Gemv();
 
 namespace internal {
 Bf16Gemv* NewScalarBf16Gemv();
+Bf16Gemv* NewAvx512Bf16Gemv();      // only after a CPU check
 Bf16Gemv* NewAvx512Bf16Bf16Gemv();  // only after a CPU check
 }  // namespace internal
 

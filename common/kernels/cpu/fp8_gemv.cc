@@ -49,7 +49,13 @@ class ScalarFp8Gemv final : public Fp8Gemv {
   CpuIsa isa() const override { return CpuIsa::kScalar; }
 
   int64_t PackedBytes(int64_t k) const override {
-    return RoundUp(k, kPackGroup) * static_cast<int64_t>(sizeof(float));
+    const int64_t bytes = RoundUp(k, kPackGroup) * static_cast<int64_t>(sizeof(float));
+    // Pad to 4 * odd cache lines: then the packed tokens of a batch, read side by side, fall into
+    // different L1 sets (a multiple of 4 KiB would put them all in the same few sets).
+    int64_t lines = (bytes + 63) / 64;
+    lines = (lines + 3) / 4 * 4;
+    if (lines % 8 == 0) lines += 4;
+    return lines * 64;
   }
 
   void Pack(const float* x, int64_t k, int64_t k_begin, int64_t k_end,
@@ -61,6 +67,8 @@ class ScalarFp8Gemv final : public Fp8Gemv {
     }
     if (k_end == k) {
       for (int64_t i = k; i < RoundUp(k, kPackGroup); ++i) out[i] = 0.0f;
+      const int64_t used = RoundUp(k, kPackGroup) * static_cast<int64_t>(sizeof(float));
+      std::memset(packed + used, 0, PackedBytes(k) - used);
     }
   }
 
@@ -229,16 +237,19 @@ absl::StatusOr<std::unique_ptr<Fp8Gemv>> NewFp8Gemv(CpuIsa isa, const Fp8GemvOpt
       return std::unique_ptr<Fp8Gemv>(internal::NewScalarFp8Gemv());
     case CpuIsa::kAvx2:
       return std::unique_ptr<Fp8Gemv>(internal::NewAvx2Fp8Gemv(
-          options.prefetch_bytes >= 0 ? options.prefetch_bytes
-                                      : internal::kAvx2DefaultPrefetchBytes));
+          !options.prefetch             ? -1
+          : options.prefetch_bytes >= 0 ? options.prefetch_bytes
+                                        : internal::kAvx2DefaultPrefetchBytes));
     case CpuIsa::kAvx512:
-      return std::unique_ptr<Fp8Gemv>(internal::NewAvx512Fp8Gemv(
-          options.prefetch_bytes >= 0 ? options.prefetch_bytes
-                                      : internal::kAvx512DefaultPrefetchBytes));
-    case CpuIsa::kAvx512Bf16:
-      return std::unique_ptr<Fp8Gemv>(internal::NewAvx512Bf16Fp8Gemv(
-          options.prefetch_bytes >= 0 ? options.prefetch_bytes
-                                      : internal::kAvx512DefaultPrefetchBytes));
+    case CpuIsa::kAvx512Bf16: {
+      Fp8GemvOptions resolved = options;
+      if (resolved.prefetch_bytes < 0) {
+        resolved.prefetch_bytes = internal::kAvx512DefaultPrefetchBytes;
+      }
+      return std::unique_ptr<Fp8Gemv>(isa == CpuIsa::kAvx512
+                                          ? internal::NewAvx512Fp8Gemv(resolved)
+                                          : internal::NewAvx512Bf16Fp8Gemv(resolved));
+    }
   }
   return absl::InvalidArgumentError("cpu kernels: unknown isa");
 }

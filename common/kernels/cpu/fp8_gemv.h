@@ -77,9 +77,16 @@ inline constexpr int kMaxMatVecTokens = 8;
 inline constexpr int64_t kPackGroup = 64;
 
 struct Fp8GemvOptions {
-  // Software-prefetch distance in bytes ahead of the weight bytes being read; 0 disables it. The
-  // default was measured on Zen 5 (docs/PERFORMANCE.md). Ignored by the scalar variant.
+  // Software prefetch of the weights (SIMD variants). While a tile of rows is read, the next tile
+  // is prefetched `prefetch_bytes` ahead of the current column (measurements and defaults in
+  // docs/PERFORMANCE.md).
+  bool prefetch = true;
   int64_t prefetch_bytes = -1;  // -1: the variant's default
+  // AVX-512 variants, for tuning: prefetch the next tile of dense rows as one linear stream
+  // instead of row by row (row by row was faster on Ice Lake; column slices are always prefetched
+  // row by row), and the prefetch instruction (0: prefetcht0, 1: prefetcht1, 2: prefetchnta).
+  bool prefetch_linear = false;
+  int prefetch_hint = 0;
 };
 
 // One variant of the kernels. Immutable after creation, thread-safe: every method may be called
@@ -92,8 +99,10 @@ class Fp8Gemv {
 
   virtual CpuIsa isa() const = 0;
 
-  // Bytes of one token's packed activation of length k (a multiple of 64). Packed activations are
-  // the variant's private layout (BF16 in a permuted order, or F32), padded with zeros.
+  // Bytes of one token's packed activation of length k (a multiple of 64, padded so that tokens
+  // placed at this stride do not alias in L1). Packed activations are the variant's private
+  // layout (BF16 in a permuted order, or F32), padded with zeros up to a multiple of 64 elements;
+  // bytes beyond that are never read.
   virtual int64_t PackedBytes(int64_t k) const = 0;
 
   // Packs elements [k_begin, k_end) of one token's activation of length k into `packed` (the

@@ -138,13 +138,13 @@ template <int N>
 void MatVecN(const Fp8MatrixView& w, const float* x, int64_t x_stride, int64_t m_begin,
              int64_t m_end, float* y, int64_t y_stride, int64_t prefetch_bytes) {
   constexpr int R = N <= 2 ? 2 : 1;
-  TileArgs a;
+  TileArgs a{};
   a.row_stride = w.row_stride;
   a.k = w.cols;
   a.x = x;
   a.x_stride = x_stride;
   a.y_stride = y_stride;
-  a.pf_end = prefetch_bytes > 0 ? w.data + m_end * w.row_stride : nullptr;
+  a.pf_end = prefetch_bytes >= 0 ? w.data + m_end * w.row_stride : nullptr;
   for (int64_t m = m_begin; m < m_end;) {
     const int64_t block_end = (m / kScaleBlock + 1) * kScaleBlock;
     const int64_t tile_end = block_end < m_end ? block_end : m_end;
@@ -152,13 +152,13 @@ void MatVecN(const Fp8MatrixView& w, const float* x, int64_t x_stride, int64_t m
     for (; m + R <= tile_end; m += R) {
       a.w = w.data + m * w.row_stride;
       a.y = y + (m - m_begin);
-      a.pf = a.w + R * w.row_stride + prefetch_bytes;
+      a.pf = a.w + R * w.row_stride + (prefetch_bytes > 0 ? prefetch_bytes : 0);
       Tile<R, N>(a);
     }
     for (; m < tile_end; ++m) {
       a.w = w.data + m * w.row_stride;
       a.y = y + (m - m_begin);
-      a.pf = a.w + w.row_stride + prefetch_bytes;
+      a.pf = a.w + w.row_stride + (prefetch_bytes > 0 ? prefetch_bytes : 0);
       Tile<1, N>(a);
     }
   }
@@ -171,7 +171,13 @@ class Avx2Fp8Gemv final : public Fp8Gemv {
   CpuIsa isa() const override { return CpuIsa::kAvx2; }
 
   int64_t PackedBytes(int64_t k) const override {
-    return (k + kPackGroup - 1) / kPackGroup * kPackGroup * 4;
+    const int64_t bytes = (k + kPackGroup - 1) / kPackGroup * kPackGroup * 4;
+    // Pad to 4 * odd cache lines: then the packed tokens of a batch, read side by side, fall into
+    // different L1 sets (a multiple of 4 KiB would put them all in the same few sets).
+    int64_t lines = (bytes + 63) / 64;
+    lines = (lines + 3) / 4 * 4;
+    if (lines % 8 == 0) lines += 4;
+    return lines * 64;
   }
 
   void Pack(const float* x, int64_t k, int64_t k_begin, int64_t k_end,
@@ -181,7 +187,9 @@ class Avx2Fp8Gemv final : public Fp8Gemv {
       out[i] = FromBf16(ToBf16(x[i - k_begin]));
     }
     if (k_end == k) {
-      for (int64_t i = k; i < (k + kPackGroup - 1) / kPackGroup * kPackGroup; ++i) out[i] = 0.0f;
+      const int64_t padded = (k + kPackGroup - 1) / kPackGroup * kPackGroup;
+      for (int64_t i = k; i < padded; ++i) out[i] = 0.0f;
+      std::memset(packed + padded * 4, 0, PackedBytes(k) - padded * 4);
     }
   }
 

@@ -6,6 +6,6 @@
 
 namespace hmoe::cpu::internal {
 
-Fp8Gemv* NewAvx512Fp8Gemv(int64_t prefetch_bytes) { return new Avx512Fp8Gemv(prefetch_bytes); }
+Fp8Gemv* NewAvx512Fp8Gemv(const Fp8GemvOptions& options) { return new Avx512Fp8Gemv(options); }
 
 }  // namespace hmoe::cpu::internal

@@ -19,6 +19,12 @@
 //   activations stored as [A even 16][A odd 16][B even 16][B odd 16] (256 bytes per 64 columns).
 // Each 128-wide block of a row accumulates in F32 and is scaled once ("post-scaling").
 //
+// Tiles: up to 2 tokens, R rows (4) run over all K with their accumulators in registers while the
+// next R rows are prefetched row by row (Fp8GemvOptions; measurements in docs/PERFORMANCE.md).
+// From 3 tokens on, WideTile keeps 16 rows' totals in L1 and walks K blocks outermost, so the
+// activations stay in L1. Rows are never reordered: the checkpoint's row-major bytes are read in
+// place.
+//
 // Before including, define HMOE_FP8_AVX512_BF16 to 0 or 1.
 
 // GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593) when they
@@ -49,10 +55,6 @@ constexpr int64_t kScaleBlock = 128;
 constexpr int64_t kChunk = 64;  // weight bytes per vector
 // Bytes of packed activation per 64 columns.
 constexpr int64_t kPackedChunkBytes = kBf16Dot ? 128 : 256;
-#ifndef HMOE_PF_PER_ROW
-#define HMOE_PF_PER_ROW 0
-#endif
-constexpr bool kPrefetchPerRow = HMOE_PF_PER_ROW;
 
 // float -> BF16 bits, round to nearest even, NaN stays quiet NaN. A private copy of
 // kernels::FloatToBf16Bits: an inline function from a shared header compiled here could be the
@@ -156,6 +158,7 @@ struct TileArgs {
   const uint8_t* pf_end;  // no prefetch at or beyond this address
   int64_t pf_step;        // prefetch stream advance per 64-column step
   int64_t pf_row;         // distance between the R lines prefetched per step
+  int pf_hint;            // 0: prefetcht0, 1: prefetcht1, 2: prefetchnta
 };
 
 // One 64-column step of an R-row x N-token tile; kMasked loads only `mask`'s bytes.
@@ -175,10 +178,19 @@ HMOE_AVX512_INLINE void Step(const TileArgs& a, const Expander& ex, int64_t c, _
     }
   }
   // Prefetch of the next tile's rows: R lines per step keeps pace with the R rows (see MatVecN).
+  if (a.pf_end == nullptr) return;  // prefetch off (or done by the caller)
   const uint8_t* pf = a.pf + c * a.pf_step;
   for (int r = 0; r < R; ++r) {
     const uint8_t* line = pf + r * a.pf_row;
-    if (line < a.pf_end) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    if (line < a.pf_end) {
+      if (a.pf_hint == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+      } else if (a.pf_hint == 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_NTA);
+      }
+    }
   }
 }
 
@@ -244,21 +256,95 @@ constexpr int TileRows() {
   return N <= 2 ? 4 : (N <= 4 ? 2 : 1);
 }
 
+// From this many tokens on, the activations of all tokens (N * 28 KiB for K = 7168 in the F32
+// layout) no longer fit in L1, and a row-by-row tile would re-read them from L2 for every row
+// (the L2 traffic, not the weights, then bounds the speed). The wide tile instead walks
+// 128-column blocks in the outer loop and kWideRows rows in the inner one, so each block of
+// activations is read from L1 while the rows' weights stream past; the per-row totals live in
+// an L1 buffer.
+constexpr int kWideMinTokens = 3;
+constexpr int kWideRows = 16;  // divides 128: a wide tile never crosses a scale block
+
+template <int N>
+__attribute__((noinline)) void WideTile(const TileArgs& a, int rows, int64_t pf_bytes) {
+  const Expander ex;
+  alignas(64) __m512 total[kWideRows][N];
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < N; ++t) total[r][t] = _mm512_setzero_ps();
+  }
+  TileArgs row = a;
+  row.pf_end = nullptr;  // this tile prefetches on its own below
+  const int64_t blocks = (a.k + kScaleBlock - 1) / kScaleBlock;
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k0 = kb * kScaleBlock;
+    const int64_t rest = a.k - k0 < kScaleBlock ? a.k - k0 : kScaleBlock;
+    const __m512 s = _mm512_set1_ps(a.scales[kb]);
+    for (int r = 0; r < rows; ++r) {
+      row.w = a.w + r * a.row_stride;
+      __m512 acc[1][N];
+      ZeroAcc(acc);
+      if (rest == kScaleBlock) {
+        Step<1, N, false>(row, ex, 2 * kb, 0, acc);
+        Step<1, N, false>(row, ex, 2 * kb + 1, 0, acc);
+      } else if (rest > kChunk) {
+        Step<1, N, false>(row, ex, 2 * kb, 0, acc);
+        Step<1, N, true>(row, ex, 2 * kb + 1, (1ull << (rest - kChunk)) - 1, acc);
+      } else if (rest == kChunk) {
+        Step<1, N, false>(row, ex, 2 * kb, 0, acc);
+      } else {
+        Step<1, N, true>(row, ex, 2 * kb, (1ull << rest) - 1, acc);
+      }
+      for (int t = 0; t < N; ++t) total[r][t] = _mm512_fmadd_ps(acc[0][t], s, total[r][t]);
+      // Each row is its own stream: prefetch it pf_bytes ahead, continuing into the same row of
+      // the next wide tile past the end of this one.
+      if (a.pf_end != nullptr) {
+        const int64_t col = k0 + pf_bytes;
+        const uint8_t* line =
+            col < a.k ? row.w + col : row.w + kWideRows * a.row_stride + (col - a.k);
+        if (line < a.pf_end) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+        if (line + kChunk < a.pf_end) {
+          _mm_prefetch(reinterpret_cast<const char*>(line + kChunk), _MM_HINT_T0);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = ReduceAdd(total[r][t]);
+  }
+}
+
 template <int N>
 void MatVecN(const Fp8MatrixView& w, const std::byte* x, int64_t x_stride, int64_t m_begin,
-             int64_t m_end, float* y, int64_t y_stride, int64_t prefetch_bytes) {
+             int64_t m_end, float* y, int64_t y_stride, int64_t prefetch_bytes,
+             const Fp8GemvOptions& options) {
   constexpr int R = TileRows<N>();
-  TileArgs a;
+  TileArgs a{};
   a.row_stride = w.row_stride;
   a.k = w.cols;
   a.x = x;
   a.x_stride = x_stride;
   a.y_stride = y_stride;
-  a.pf_end = prefetch_bytes > 0 ? w.data + m_end * w.row_stride : nullptr;
-  // Dense rows (the checkpoint layout) are one contiguous stream: prefetch the next tile linearly,
-  // R consecutive lines per step. Rows of a column slice (row_stride > cols) are not contiguous:
-  // prefetch each of the next tile's rows at the current column instead.
-  const bool per_row = w.row_stride != w.cols || kPrefetchPerRow;
+  a.pf_end = options.prefetch ? w.data + m_end * w.row_stride : nullptr;
+  // While a tile of R rows is read, prefetch the next tile: per step, each of its R rows at the
+  // current column plus the distance (R more streams in flight, which a single core needs to
+  // approach its bandwidth). Optionally, for dense rows, the next tile as one linear stream.
+  const bool per_row = w.row_stride != w.cols || !options.prefetch_linear;
+  a.pf_hint = options.prefetch_hint;
+  if constexpr (N >= kWideMinTokens) {
+    // Two 64-byte lines per row and step; the distance shrinks because 16 rows stream at once.
+    const int64_t pf = (prefetch_bytes / 4 + kScaleBlock - 1) / kScaleBlock * kScaleBlock;
+    for (int64_t m = m_begin; m < m_end;) {
+      const int64_t block_end = (m / kScaleBlock + 1) * kScaleBlock;
+      const int64_t tile_end = block_end < m_end ? block_end : m_end;
+      const int rows = static_cast<int>(tile_end - m < kWideRows ? tile_end - m : kWideRows);
+      a.scales = w.scale_inv + (m / kScaleBlock) * w.scale_stride;
+      a.w = w.data + m * w.row_stride;
+      a.y = y + (m - m_begin);
+      WideTile<N>(a, rows, pf > 0 ? pf : kScaleBlock);
+      m += rows;
+    }
+    return;
+  }
   for (int64_t m = m_begin; m < m_end;) {
     const int64_t block_end = (m / kScaleBlock + 1) * kScaleBlock;
     const int64_t tile_end = block_end < m_end ? block_end : m_end;
@@ -295,12 +381,18 @@ constexpr int64_t PackedPosition(int64_t j) {
 
 class Avx512Fp8Gemv final : public Fp8Gemv {
  public:
-  explicit Avx512Fp8Gemv(int64_t prefetch_bytes) : prefetch_bytes_(prefetch_bytes) {}
+  explicit Avx512Fp8Gemv(const Fp8GemvOptions& options) : options_(options) {}
 
   CpuIsa isa() const override { return kBf16Dot ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512; }
 
   int64_t PackedBytes(int64_t k) const override {
-    return (k + kChunk - 1) / kChunk * kPackedChunkBytes;
+    const int64_t bytes = (k + kChunk - 1) / kChunk * kPackedChunkBytes;
+    // Pad to 4 * odd cache lines: then the packed tokens of a batch, read side by side, fall into
+    // different L1 sets (a multiple of 4 KiB would put them all in the same few sets).
+    int64_t lines = (bytes + 63) / 64;
+    lines = (lines + 3) / 4 * 4;
+    if (lines % 8 == 0) lines += 4;
+    return lines * 64;
   }
 
   void Pack(const float* x, int64_t k, int64_t k_begin, int64_t k_end,
@@ -315,35 +407,39 @@ class Avx512Fp8Gemv final : public Fp8Gemv {
         reinterpret_cast<float*>(packed)[pos] = Bf16ToFloat(b);
       }
     }
+    if (k_end == k) {
+      const int64_t used = padded_end / kChunk * kPackedChunkBytes;
+      std::memset(packed + used, 0, PackedBytes(k) - used);
+    }
   }
 
   void MatVec(const Fp8MatrixView& w, const std::byte* packed, int64_t packed_stride, int n,
               int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const override {
-    const int64_t pf = prefetch_bytes_;
+    const int64_t pf = options_.prefetch_bytes;
     switch (n) {
       case 1:
-        return MatVecN<1>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<1>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 2:
-        return MatVecN<2>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<2>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 3:
-        return MatVecN<3>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<3>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 4:
-        return MatVecN<4>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<4>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 5:
-        return MatVecN<5>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<5>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 6:
-        return MatVecN<6>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<6>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 7:
-        return MatVecN<7>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<7>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       case 8:
-        return MatVecN<8>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf);
+        return MatVecN<8>(w, packed, packed_stride, m_begin, m_end, y, y_stride, pf, options_);
       default:
         __builtin_trap();  // the interface allows 1..kMaxMatVecTokens
     }
   }
 
  private:
-  const int64_t prefetch_bytes_;
+  const Fp8GemvOptions options_;
 };
 
 }  // namespace

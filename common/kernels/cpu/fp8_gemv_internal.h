@@ -12,13 +12,15 @@
 namespace hmoe::cpu::internal {
 
 Fp8Gemv* NewScalarFp8Gemv();
+// `prefetch_bytes` < 0 disables software prefetch.
 Fp8Gemv* NewAvx2Fp8Gemv(int64_t prefetch_bytes);
-Fp8Gemv* NewAvx512Fp8Gemv(int64_t prefetch_bytes);
-Fp8Gemv* NewAvx512Bf16Fp8Gemv(int64_t prefetch_bytes);
+// `options.prefetch_bytes` is resolved (>= 0).
+Fp8Gemv* NewAvx512Fp8Gemv(const Fp8GemvOptions& options);
+Fp8Gemv* NewAvx512Bf16Fp8Gemv(const Fp8GemvOptions& options);
 
 // Default prefetch distances (bytes beyond the next tile of rows), measured on this project's
 // development machines.
 inline constexpr int64_t kAvx2DefaultPrefetchBytes = 1024;
-inline constexpr int64_t kAvx512DefaultPrefetchBytes = 1024;
+inline constexpr int64_t kAvx512DefaultPrefetchBytes = 2048;
 
 }  // namespace hmoe::cpu::internal

@@ -48,4 +48,52 @@ absl::StatusOr<std::string> LibraryVersions() {
                       nccl);
 }
 
+namespace {
+
+absl::Status RegisterError(const char* what, cudaError_t err) {
+  cudaGetLastError();  // none of these errors is sticky; leave the runtime clean
+  const std::string message =
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  switch (err) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorInitializationError:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+      return absl::UnavailableError(message);
+    case cudaErrorInvalidValue:
+      return absl::InvalidArgumentError(message);
+    case cudaErrorHostMemoryAlreadyRegistered:
+      return absl::AlreadyExistsError(message);
+    case cudaErrorNotSupported:
+      return absl::FailedPreconditionError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+}  // namespace
+
+absl::Status HostRegister(const void* data, size_t size_bytes, bool read_only) {
+  if (data == nullptr || size_bytes == 0) {
+    return absl::InvalidArgumentError("host register: empty range");
+  }
+  unsigned int flags = cudaHostRegisterPortable;
+  if (read_only) flags |= cudaHostRegisterReadOnly;
+  // cudaHostRegister takes a non-const pointer; with cudaHostRegisterReadOnly the driver only
+  // reads the pages.
+  if (const cudaError_t err = cudaHostRegister(const_cast<void*>(data), size_bytes, flags);
+      err != cudaSuccess) {
+    return RegisterError("cudaHostRegister", err);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostUnregister(const void* data) {
+  if (const cudaError_t err = cudaHostUnregister(const_cast<void*>(data)); err != cudaSuccess) {
+    return RegisterError("cudaHostUnregister", err);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace hmoe::cuda

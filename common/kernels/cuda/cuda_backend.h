@@ -3,8 +3,10 @@
 // What the CUDA backend of this build can see. Portable header (no CUDA includes): callers never
 // need an #ifdef. Built from cuda_backend.cc with the CUDA option, else from cuda_backend_stub.cc.
 
+#include <cstddef>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace hmoe::cuda {
@@ -19,6 +21,17 @@ int DeviceCount();
 // "cudart 13000, cublas 130100, nccl 22809". Works without a GPU or driver.
 // Unavailable when built without CUDA.
 absl::StatusOr<std::string> LibraryVersions();
+
+// Page-locks the host range [data, data + size_bytes) for all devices (cudaHostRegister with
+// cudaHostRegisterPortable, plus cudaHostRegisterReadOnly when `read_only`: required for a
+// read-only mapping such as weightd's, whose pages the driver must not write), so that
+// cudaMemcpyAsync from it is truly asynchronous. Page-aligned ranges are safest. Errors:
+// Unavailable without a usable device/driver or without CUDA, InvalidArgument for a bad range,
+// AlreadyExists when (part of) the range is registered, FailedPrecondition when the device cannot
+// register read-only memory, Internal otherwise.
+absl::Status HostRegister(const void* data, size_t size_bytes, bool read_only);
+// Undoes HostRegister(data, ...).
+absl::Status HostUnregister(const void* data);
 
 // Why no device is usable (e.g. "CUDA driver version is insufficient..."), or "" when one is.
 std::string NoDeviceReason();

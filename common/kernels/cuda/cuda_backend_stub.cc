@@ -9,4 +9,11 @@ absl::StatusOr<std::string> LibraryVersions() {
   return absl::UnavailableError("built without CUDA (HMOE_CUDA=OFF)");
 }
 
+absl::Status HostRegister(const void*, size_t, bool) {
+  return absl::UnavailableError("host register: built without CUDA (HMOE_CUDA=OFF)");
+}
+absl::Status HostUnregister(const void*) {
+  return absl::UnavailableError("host unregister: built without CUDA (HMOE_CUDA=OFF)");
+}
+
 }  // namespace hmoe::cuda

@@ -1,0 +1,203 @@
+// The attention core of weight-absorbed MLA (MODEL-SPEC §3.7) over a paged latent cache, for
+// prefill and decode alike. The projections around it (q~ = W_UK^T q_nope, out = W_UV u) are
+// F32 cuBLAS GEMMs issued by the CUDA device; this file gathers the queries and runs
+//
+//   u = sum_s softmax_s(scale * [q~ | q_pe] . [c_s | k_pe_s]) c_s
+//
+// flash-style: a thread block owns up to kMlaTileRows (query, head) rows of one sequence (they
+// share the sequence's keys: MLA's latent cache is common to all heads), walks the keys in tiles
+// of kMlaKeyTile staged in shared memory, scores the tile (one warp per (row, key) dot product),
+// folds it into each row's running max and sum with kernels::OnlineSoftmaxStep, and accumulates
+// p * c in registers. Memory is O(rows * (Rkv + dr)) per block, independent of the context length:
+// no N x N score matrix exists.
+
+#include "common/kernels/cuda/cuda_kernels.h"
+#include "common/kernels/shared_math.h"
+
+namespace hmoe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kDimsPerThread = kMlaMaxLatent / kThreads;
+
+static_assert(kMlaMaxLatent % kThreads == 0, "latent dims are spread evenly over the threads");
+
+__device__ float WarpSum(float v) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__global__ void MlaGatherQKernel(const float* __restrict__ q, int64_t q_stride,
+                                 const int32_t* __restrict__ q_rows, int64_t num_rows, MlaShape s,
+                                 float* __restrict__ q_nope_out, bool round_bf16,
+                                 float* __restrict__ qcat) {
+  const int64_t dq = s.nope_dim + s.rope_dim;
+  const int64_t row_floats = s.kv_lora_rank + s.rope_dim;
+  const int64_t n = num_rows * s.num_heads * dq;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const int64_t th = i / dq;  // t * nh + h
+    const int64_t c = i - th * dq;
+    const int64_t t = th / s.num_heads;
+    const int64_t h = th - t * s.num_heads;
+    const float v = q[static_cast<int64_t>(q_rows[t]) * q_stride + h * dq + c];
+    if (c < s.nope_dim) {
+      q_nope_out[th * s.nope_dim + c] =
+          round_bf16 ? kernels::Bf16BitsToFloat(kernels::FloatToBf16Bits(v)) : v;
+    } else {
+      qcat[th * row_floats + s.kv_lora_rank + (c - s.nope_dim)] = v;
+    }
+  }
+}
+
+// Shared memory (floats): q rows [kMlaTileRows][D], key tile [kMlaKeyTile][D], probabilities
+// [kMlaTileRows][kMlaKeyTile], then per row: running max, running sum, correction. D = Rkv + dr.
+__global__ void __launch_bounds__(kThreads)
+    MlaAttendKernel(MlaShape s, const float* __restrict__ qcat, KvCacheDesc cache,
+                    const int32_t* __restrict__ block_tables, const MlaTile* __restrict__ tiles,
+                    float* __restrict__ u) {
+  extern __shared__ float smem[];
+  const int64_t d_row = cache.row_floats;
+  const int64_t rkv = s.kv_lora_rank;
+  float* q_s = smem;
+  float* k_s = q_s + kMlaTileRows * d_row;
+  float* p_s = k_s + kMlaKeyTile * d_row;
+  float* max_s = p_s + kMlaTileRows * kMlaKeyTile;
+  float* sum_s = max_s + kMlaTileRows;
+  float* corr_s = sum_s + kMlaTileRows;
+
+  const MlaTile tile = tiles[blockIdx.x];
+  const int heads = tile.num_heads;
+  const int rows = tile.num_queries * heads;  // row r: query r / heads, head r % heads
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+  for (int64_t i = tid; i < rows * d_row; i += kThreads) {
+    const int64_t r = i / d_row;
+    const int64_t c = i - r * d_row;
+    const int64_t t = tile.first_row + r / heads;
+    const int64_t h = tile.first_head + r % heads;
+    q_s[i] = qcat[(t * s.num_heads + h) * d_row + c];
+  }
+  if (tid < kMlaTileRows) {
+    max_s[tid] = kernels::NegInfinity();
+    sum_s[tid] = 0.0f;
+  }
+  float acc[kMlaTileRows][kDimsPerThread];
+#pragma unroll
+  for (int r = 0; r < kMlaTileRows; ++r) {
+#pragma unroll
+    for (int d = 0; d < kDimsPerThread; ++d) acc[r][d] = 0.0f;
+  }
+  const int32_t* table = block_tables + tile.table_offset;
+  const int64_t num_keys = tile.first_pos + tile.num_queries;  // the last query sees them all
+  __syncthreads();
+
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kMlaKeyTile) {
+    const int64_t nk = num_keys - k0 < kMlaKeyTile ? num_keys - k0 : kMlaKeyTile;
+    // Stage the key tile (cache rows [c | k_pe]) in shared memory.
+    for (int64_t i = tid; i < nk * d_row; i += kThreads) {
+      const int64_t j = i / d_row;
+      const int64_t c = i - j * d_row;
+      const int64_t key = k0 + j;
+      const int64_t block = table[key / cache.block_size];
+      k_s[i] = cache.base[block * cache.block_stride + (key % cache.block_size) * d_row + c];
+    }
+    __syncthreads();
+    // Scores: one warp per (row, key) pair; masked and out-of-range keys are -infinity.
+    for (int pair = warp; pair < rows * kMlaKeyTile; pair += kWarps) {
+      const int r = pair / kMlaKeyTile;
+      const int j = pair % kMlaKeyTile;
+      const int64_t pos = tile.first_pos + r / heads;
+      const bool visible = j < nk && k0 + j <= pos;  // uniform across the warp
+      float dot = 0.0f;
+      if (visible) {
+        for (int64_t c = lane; c < d_row; c += 32) dot += q_s[r * d_row + c] * k_s[j * d_row + c];
+      }
+      dot = WarpSum(dot);
+      if (lane == 0) {
+        p_s[r * kMlaKeyTile + j] = visible ? dot * s.softmax_scale : kernels::NegInfinity();
+      }
+    }
+    __syncthreads();
+    if (tid < rows) {
+      corr_s[tid] = kernels::OnlineSoftmaxStep(&max_s[tid], &sum_s[tid], &p_s[tid * kMlaKeyTile],
+                                               kMlaKeyTile);
+    }
+    __syncthreads();
+    // acc = acc * correction + sum_j p_j c_j over this thread's latent dims.
+#pragma unroll
+    for (int r = 0; r < kMlaTileRows; ++r) {
+      if (r < rows) {
+        const float corr = corr_s[r];
+#pragma unroll
+        for (int d = 0; d < kDimsPerThread; ++d) acc[r][d] *= corr;
+        for (int64_t j = 0; j < nk; ++j) {
+          const float p = p_s[r * kMlaKeyTile + j];
+          if (p == 0.0f) continue;
+#pragma unroll
+          for (int d = 0; d < kDimsPerThread; ++d) {
+            const int64_t dim = tid + d * kThreads;
+            if (dim < rkv) acc[r][d] += p * k_s[j * d_row + dim];
+          }
+        }
+      }
+    }
+    __syncthreads();  // k_s and p_s are overwritten by the next tile
+  }
+
+#pragma unroll
+  for (int r = 0; r < kMlaTileRows; ++r) {
+    if (r < rows) {
+      const float inv = 1.0f / sum_s[r];  // > 0: every query sees key 0
+      const int64_t t = tile.first_row + r / heads;
+      const int64_t h = tile.first_head + r % heads;
+      float* out = u + (t * s.num_heads + h) * rkv;
+#pragma unroll
+      for (int d = 0; d < kDimsPerThread; ++d) {
+        const int64_t dim = tid + d * kThreads;
+        if (dim < rkv) out[dim] = acc[r][d] * inv;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_rows,
+                             int64_t num_rows, const MlaShape& shape, float* q_nope_out,
+                             bool round_bf16, float* qcat, cudaStream_t stream) {
+  const int64_t n = num_rows * shape.num_heads * (shape.nope_dim + shape.rope_dim);
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  MlaGatherQKernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0, stream>>>(
+      q, q_stride, q_rows, num_rows, shape, q_nope_out, round_bf16, qcat);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCacheDesc& cache,
+                            const int32_t* block_tables, const MlaTile* tiles, int64_t num_tiles,
+                            float* u, cudaStream_t stream) {
+  if (num_tiles <= 0) return cudaSuccess;
+  const int64_t shared_bytes = MlaAttendSharedBytes(cache.row_floats);
+  if (shape.kv_lora_rank <= 0 || shape.kv_lora_rank > kMlaMaxLatent ||
+      cache.row_floats != shape.kv_lora_rank + shape.rope_dim ||
+      shared_bytes > kMlaMaxSharedBytes || num_tiles > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  // Opt in to more than the default 48 KiB of dynamic shared memory (a cheap host call).
+  if (const cudaError_t err =
+          cudaFuncSetAttribute(MlaAttendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared_bytes));
+      err != cudaSuccess) {
+    return err;
+  }
+  MlaAttendKernel<<<static_cast<unsigned>(num_tiles), kThreads, static_cast<size_t>(shared_bytes),
+                    stream>>>(shape, qcat, cache, block_tables, tiles, u);
+  return cudaGetLastError();
+}
+
+}  // namespace hmoe::cuda

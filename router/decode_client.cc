@@ -1,0 +1,68 @@
+#include "router/decode_client.h"
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include <grpcpp/grpcpp.h>
+
+#include "proto/decode.grpc.pb.h"
+#include "router/grpc_status.h"
+
+namespace hmoe::router {
+namespace {
+
+namespace dv1 = hmoe::decode::v1;
+
+class GrpcDecodeStream : public DecodeStream {
+ public:
+  GrpcDecodeStream(dv1::DecodeService::Stub* stub, const dv1::AdmitRequest& request,
+                   absl::Time deadline) {
+    if (deadline != absl::InfiniteFuture()) context_.set_deadline(absl::ToChronoTime(deadline));
+    reader_ = stub->Admit(&context_, request);
+  }
+  bool Read(dv1::AdmitResponse* response) override { return reader_->Read(response); }
+  absl::Status Finish() override { return FromGrpcStatus(reader_->Finish()); }
+  void Cancel() override { context_.TryCancel(); }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<dv1::AdmitResponse>> reader_;
+};
+
+class GrpcDecodeClient : public DecodeClient {
+ public:
+  explicit GrpcDecodeClient(const std::string& endpoint)
+      : stub_(dv1::DecodeService::NewStub(
+            grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))) {}
+  std::unique_ptr<DecodeStream> Admit(const dv1::AdmitRequest& request,
+                                      absl::Time deadline) override {
+    return std::make_unique<GrpcDecodeStream>(stub_.get(), request, deadline);
+  }
+
+ private:
+  std::unique_ptr<dv1::DecodeService::Stub> stub_;
+};
+
+class GrpcDecodeClientFactory : public DecodeClientFactory {
+ public:
+  std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint) override
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    std::shared_ptr<DecodeClient>& c = clients_[endpoint];
+    if (c == nullptr) c = std::make_shared<GrpcDecodeClient>(endpoint);
+    return c;
+  }
+
+ private:
+  absl::Mutex mu_;
+  // shared_ptr: a client stays usable by in-flight requests while the map holds it too.
+  absl::flat_hash_map<std::string, std::shared_ptr<DecodeClient>> clients_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::unique_ptr<DecodeClientFactory> NewGrpcDecodeClientFactory() {
+  return std::make_unique<GrpcDecodeClientFactory>();
+}
+
+}  // namespace hmoe::router

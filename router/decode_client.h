@@ -1,0 +1,50 @@
+#pragma once
+
+// How the router talks to decode workers (proto/decode.proto): an interface, so the router's logic
+// is tested against fakes, and a gRPC implementation over the worker's unix socket.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+#include "proto/decode.pb.h"
+
+namespace hmoe::router {
+
+// One admitted request's response stream. Read() is called by one thread; Cancel() may be called
+// from any thread, at any time, and makes a pending Read() return false soon.
+class DecodeStream {
+ public:
+  virtual ~DecodeStream() = default;
+  // Next message; false at the end of the stream (then call Finish()).
+  virtual bool Read(hmoe::decode::v1::AdmitResponse* response) = 0;
+  // The call status once Read() returned false.
+  virtual absl::Status Finish() = 0;
+  // Breaks the stream; the worker cancels the request.
+  virtual void Cancel() = 0;
+};
+
+// A connection to one decode worker. Thread-safe.
+class DecodeClient {
+ public:
+  virtual ~DecodeClient() = default;
+  // Starts Admit; errors (including validation errors of the worker) come from the stream's
+  // Finish(). The call ends at `deadline` with DEADLINE_EXCEEDED.
+  virtual std::unique_ptr<DecodeStream> Admit(const hmoe::decode::v1::AdmitRequest& request,
+                                              absl::Time deadline) = 0;
+};
+
+// Makes (and may cache) clients by worker endpoint. Thread-safe.
+class DecodeClientFactory {
+ public:
+  virtual ~DecodeClientFactory() = default;
+  // `endpoint` is a gRPC target such as "unix:/run/hmoe/decode.sock". Never null.
+  virtual std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint) = 0;
+};
+
+// gRPC clients; one channel per endpoint, kept for the factory's lifetime.
+std::unique_ptr<DecodeClientFactory> NewGrpcDecodeClientFactory();
+
+}  // namespace hmoe::router

@@ -1,0 +1,121 @@
+#include "router/policy.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+#include "common/base/status_macros.h"
+
+namespace hmoe::router {
+namespace {
+
+const WorkerView* FindWorker(const std::vector<WorkerView>& workers, const std::string& id) {
+  for (const WorkerView& w : workers) {
+    if (w.identity.worker_id == id) return &w;
+  }
+  return nullptr;
+}
+
+// Prefill workers not on `device`, in input (worker_id) order.
+std::vector<std::string> NotSharing(const std::vector<WorkerView>& prefill,
+                                    const std::string& device) {
+  std::vector<std::string> out;
+  for (const WorkerView& w : prefill) {
+    if (w.identity.device != device) out.push_back(w.identity.worker_id);
+  }
+  return out;
+}
+
+std::vector<std::string> AllIds(const std::vector<WorkerView>& workers) {
+  std::vector<std::string> out;
+  for (const WorkerView& w : workers) out.push_back(w.identity.worker_id);
+  return out;
+}
+
+}  // namespace
+
+const char* PathName(Path path) {
+  switch (path) {
+    case Path::kChunked:
+      return "CHUNKED";
+    case Path::kSlp:
+      return "SLP";
+    case Path::kDslp:
+      return "DSLP";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& decode_workers) {
+  const WorkerView* best = nullptr;
+  for (const WorkerView& w : decode_workers) {
+    const int64_t load = int64_t{w.load.running} + w.load.waiting;
+    if (best == nullptr || load < int64_t{best->load.running} + best->load.waiting ||
+        (load == int64_t{best->load.running} + best->load.waiting &&
+         w.identity.worker_id < best->identity.worker_id)) {
+      best = &w;
+    }
+  }
+  if (best == nullptr) return absl::UnavailableError("no live decode worker");
+  return best->identity.worker_id;
+}
+
+absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOptions& options) {
+  RouteDecision d;
+  HMOE_ASSIGN_OR_RETURN(d.decode_worker_id, PickDecodeWorker(in.decode_workers));
+  const std::string& decode_device =
+      FindWorker(in.decode_workers, d.decode_worker_id)->identity.device;
+  const std::vector<std::string> not_sharing = NotSharing(in.prefill_workers, decode_device);
+
+  switch (in.hint) {
+    case PathHintKind::kChunked:
+      d.path = Path::kChunked;
+      return d;
+    case PathHintKind::kSlp:
+      if (in.prefill_workers.empty()) {
+        return absl::FailedPreconditionError("path_hint SLP: no live prefill worker");
+      }
+      d.path = Path::kSlp;
+      // Prefer workers off the decode device, then the others.
+      d.prefill_worker_ids = not_sharing;
+      for (const WorkerView& w : in.prefill_workers) {
+        if (w.identity.device == decode_device)
+          d.prefill_worker_ids.push_back(w.identity.worker_id);
+      }
+      return d;
+    case PathHintKind::kDslp:
+      if (in.prefill_workers.size() < 2) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("path_hint DSLP: needs at least 2 live prefill workers, have ",
+                         in.prefill_workers.size()));
+      }
+      d.path = Path::kDslp;
+      d.prefill_worker_ids = AllIds(in.prefill_workers);
+      return d;
+    case PathHintKind::kAuto:
+      break;
+  }
+
+  if (in.prompt_tokens < options.chunk_threshold_tokens || in.prefill_workers.empty()) {
+    d.path = Path::kChunked;
+    return d;
+  }
+  const bool decode_idle =
+      !in.decode_active_now && (!in.last_decode_active.has_value() ||
+                                in.now - *in.last_decode_active >= options.decode_idle_window);
+  if (decode_idle) {
+    d.prefill_worker_ids = AllIds(in.prefill_workers);
+    d.path = d.prefill_worker_ids.size() >= 2 ? Path::kDslp : Path::kSlp;
+    return d;
+  }
+  if (not_sharing.empty()) {
+    // Every prefill worker shares the decode worker's device: prefilling there would stall the
+    // running batch as much as chunked prefill does, so keep it on the decode worker.
+    d.path = Path::kChunked;
+    return d;
+  }
+  d.path = Path::kSlp;
+  d.prefill_worker_ids = not_sharing;
+  return d;
+}
+
+}  // namespace hmoe::router

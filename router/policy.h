@@ -1,0 +1,66 @@
+#pragma once
+
+// The routing policy of paper §3.3.2, as a pure function of the request, the live workers and the
+// time since a decode request was last active (so it is deterministic and tested with a fake
+// clock):
+//   - prompt < chunk threshold          -> CHUNKED: chunked prefill on the decode worker;
+//   - longer, decode idle for the window -> DSLP over all live prefill workers (SLP when only one);
+//   - longer, decode recently active     -> SLP on the prefill workers that do not share the decode
+//                                           worker's device (equal device strings share);
+//   - no usable prefill worker           -> CHUNKED.
+// A path hint overrides the policy when feasible; otherwise FailedPrecondition says why. Every
+// path needs a live decode worker (decode always runs there): Unavailable without one.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+#include "router/worker_registry.h"
+
+namespace hmoe::router {
+
+enum class Path { kChunked, kSlp, kDslp };
+enum class PathHintKind { kAuto, kChunked, kSlp, kDslp };
+
+const char* PathName(Path path);
+
+struct PolicyOptions {
+  // Prompts with fewer tokens take the chunked path.
+  int64_t chunk_threshold_tokens = 2048;
+  // DSLP only when no decode request was active within this window.
+  absl::Duration decode_idle_window = absl::Minutes(5);
+};
+
+struct PolicyInput {
+  int64_t prompt_tokens = 0;
+  PathHintKind hint = PathHintKind::kAuto;
+  // Live decode and prefill workers (WorkerRegistry::Live), sorted by worker_id.
+  std::vector<WorkerView> decode_workers;
+  std::vector<WorkerView> prefill_workers;
+  // A decode request is running now.
+  bool decode_active_now = false;
+  // When the last decode request finished (nullopt: never).
+  std::optional<absl::Time> last_decode_active;
+  absl::Time now;
+};
+
+struct RouteDecision {
+  Path path = Path::kChunked;
+  // The decode worker that streams the tokens.
+  std::string decode_worker_id;
+  // CHUNKED: empty. SLP: candidates in preference order (FCFS takes the first free one). DSLP: all
+  // of them run the prefill together.
+  std::vector<std::string> prefill_worker_ids;
+};
+
+// The decode worker for a new request: the live one with the fewest running + waiting requests
+// (ties: lowest worker_id). Unavailable when there is none.
+absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& decode_workers);
+
+absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& input, const PolicyOptions& options);
+
+}  // namespace hmoe::router

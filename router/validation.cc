@@ -1,0 +1,143 @@
+#include "router/validation.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+#include "common/base/status_macros.h"
+#include "common/model/tokenizer.h"
+
+namespace hmoe::router {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+bool IsRequestIdChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '_' || c == ':' || c == '-';
+}
+
+}  // namespace
+
+absl::Status ValidateSampling(const hmoe::v1::SamplingParams& s) {
+  if (!std::isfinite(s.temperature()) || s.temperature() < 0) {
+    return Invalid("sampling.temperature",
+                   absl::StrCat("must be finite and >= 0, got ", s.temperature()));
+  }
+  if (s.top_k() < 0) {
+    return Invalid("sampling.top_k", absl::StrCat("must be >= 0, got ", s.top_k()));
+  }
+  if (!std::isfinite(s.top_p()) || s.top_p() < 0 || s.top_p() > 1) {
+    return Invalid("sampling.top_p", absl::StrCat("must be 0 or in (0, 1], got ", s.top_p()));
+  }
+  if (!std::isfinite(s.min_p()) || s.min_p() < 0 || s.min_p() > 1) {
+    return Invalid("sampling.min_p", absl::StrCat("must be in [0, 1], got ", s.min_p()));
+  }
+  if (!std::isfinite(s.repetition_penalty()) || s.repetition_penalty() < 0) {
+    return Invalid("sampling.repetition_penalty",
+                   absl::StrCat("must be finite and >= 0, got ", s.repetition_penalty()));
+  }
+  if (!std::isfinite(s.presence_penalty())) {
+    return Invalid("sampling.presence_penalty",
+                   absl::StrCat("must be finite, got ", s.presence_penalty()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateGenerateRequest(const hmoe::v1::GenerateRequest& request,
+                                     const ModelLimits& limits, const Tokenizer* tokenizer) {
+  if (limits.max_request_bytes > 0 &&
+      static_cast<int64_t>(request.ByteSizeLong()) > limits.max_request_bytes) {
+    return Invalid("request", absl::StrCat(request.ByteSizeLong(), " bytes exceeds the limit of ",
+                                           limits.max_request_bytes));
+  }
+  const std::string& id = request.request_id();
+  if (id.size() > static_cast<size_t>(kMaxRequestIdLength)) {
+    return Invalid("request_id", absl::StrCat("longer than ", kMaxRequestIdLength, " characters"));
+  }
+  for (char c : id) {
+    if (!IsRequestIdChar(c)) return Invalid("request_id", "only [A-Za-z0-9._:-] allowed");
+  }
+  switch (request.prompt_case()) {
+    case hmoe::v1::GenerateRequest::kPromptTokenIds:
+      if (request.prompt_token_ids().ids().empty()) {
+        return Invalid("prompt_token_ids", "empty prompt");
+      }
+      break;
+    case hmoe::v1::GenerateRequest::kPromptText:
+      if (request.prompt_text().empty()) return Invalid("prompt_text", "empty prompt");
+      if (tokenizer == nullptr) {
+        return Invalid("prompt_text", "the router has no tokenizer (start it with --model)");
+      }
+      break;
+    case hmoe::v1::GenerateRequest::PROMPT_NOT_SET:
+      return Invalid("prompt", "empty prompt (set prompt_token_ids or prompt_text)");
+  }
+  if (request.max_new_tokens() < 1) {
+    return Invalid("max_new_tokens", absl::StrCat("must be >= 1, got ", request.max_new_tokens()));
+  }
+  if (limits.context_length > 0 && request.max_new_tokens() >= limits.context_length) {
+    return Invalid("max_new_tokens", absl::StrCat(request.max_new_tokens(),
+                                                  " leaves no room for a prompt in the context of ",
+                                                  limits.context_length, " tokens"));
+  }
+  HMOE_RETURN_IF_ERROR(ValidateSampling(request.sampling()));
+  for (int i = 0; i < request.stop_token_ids_size(); ++i) {
+    const int32_t t = request.stop_token_ids(i);
+    if (t < 0 || t >= limits.vocab_size) {
+      return Invalid(absl::StrCat("stop_token_ids[", i, "]"),
+                     absl::StrCat("token id ", t, " outside [0, ", limits.vocab_size, ")"));
+    }
+  }
+  if (request.stop_strings_size() > 0 && tokenizer == nullptr) {
+    return Invalid("stop_strings", "the router has no tokenizer (start it with --model)");
+  }
+  for (int i = 0; i < request.stop_strings_size(); ++i) {
+    if (request.stop_strings(i).empty()) {
+      return Invalid(absl::StrCat("stop_strings[", i, "]"), "empty string");
+    }
+  }
+  if (request.detokenize() && tokenizer == nullptr) {
+    return Invalid("detokenize", "the router has no tokenizer (start it with --model)");
+  }
+  if (!hmoe::v1::PathHint_IsValid(request.path_hint())) {
+    return Invalid("path_hint", absl::StrCat("unknown value ", request.path_hint()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> ResolvePrompt(const hmoe::v1::GenerateRequest& request,
+                                                   const ModelLimits& limits,
+                                                   const Tokenizer* tokenizer) {
+  std::vector<int32_t> ids;
+  absl::string_view field = "prompt_token_ids";
+  if (request.prompt_case() == hmoe::v1::GenerateRequest::kPromptText) {
+    field = "prompt_text";
+    if (tokenizer == nullptr) {
+      return Invalid(field, "the router has no tokenizer (start it with --model)");
+    }
+    ids = tokenizer->Encode(request.prompt_text(), tokenizer->add_bos_token(),
+                            /*parse_special=*/false);
+  } else {
+    ids.assign(request.prompt_token_ids().ids().begin(), request.prompt_token_ids().ids().end());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= limits.vocab_size) {
+        return Invalid(absl::StrCat("prompt_token_ids[", i, "]"),
+                       absl::StrCat("token id ", ids[i], " outside [0, ", limits.vocab_size, ")"));
+      }
+    }
+  }
+  if (ids.empty()) return Invalid(field, "empty prompt");
+  const int64_t total = static_cast<int64_t>(ids.size()) + request.max_new_tokens();
+  if (limits.context_length > 0 && total > limits.context_length) {
+    return Invalid(field, absl::StrCat("prompt (", ids.size(), " tokens) + max_new_tokens (",
+                                       request.max_new_tokens(), ") = ", total,
+                                       " exceeds the context length ", limits.context_length));
+  }
+  return ids;
+}
+
+}  // namespace hmoe::router

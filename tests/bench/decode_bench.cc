@@ -1,0 +1,331 @@
+// Decode throughput of the engine (issue #8, acceptance 4 and 5) on the `real-shaped` checkpoint:
+// CPU attention (CpuDevice) + CPU MoE, all weights FP8 (lm_head BF16), batch 1, 2, 4 and 6, with 1
+// and 2 threads. Each figure is also given as a fraction of the memory-bandwidth bound: the
+// weight bytes one decode step reads divided by the read bandwidth measured adjacent to the run
+// (same pool, same thread count: a 256 MiB read right before every step, averaged; this
+// machine's bandwidth is bimodal with 2 threads and drifts with other processes' load, so only
+// an adjacent measurement is a fair yardstick). read_GBps_around is the best of 3 x 1 GiB reads
+// before and after the run.
+//
+//   hmoe-make-model --preset real-shaped --out /work/main/out/real-shaped
+//   HMOE_BENCH_MODEL=/work/main/out/real-shaped decode_bench   (or --model=DIR)
+//   decode_bench --model=DIR --prefill=4096 --benchmark_filter=Prefill   (prefill timing, e.g. on
+//   the `small` checkpoint)
+//
+// Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
+// --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark
+// prints a note and exits 0.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include <benchmark/benchmark.h>
+
+#include "common/base/logging.h"
+#include "common/device/cpu_device.h"
+#include "common/engine/engine.h"
+#include "common/engine/kv_cache.h"
+#include "common/engine/weights.h"
+#include "common/model/checkpoint.h"
+#include "common/model/tensor_map.h"
+#include "tests/bench/bench_util.h"
+
+namespace hmoe {
+namespace {
+
+std::string g_model_dir;
+bool g_in_place = false;
+int g_steps = 24;
+
+// Every tensor of a WeightSource copied into one huge-page buffer (as weightd lays them out).
+class HugePageWeights final : public WeightSource {
+ public:
+  explicit HugePageWeights(const WeightSource& source) {
+    size_t total = 0;
+    const std::vector<std::string> names = source.TensorNames();
+    for (const std::string& name : names) {
+      total += (source.GetTensor(name)->size_bytes + 63) / 64 * 64;
+    }
+    buffer_ = std::make_unique<bench::HugeBuffer>(total);
+    size_t offset = 0;
+    for (const std::string& name : names) {
+      TensorView t = *source.GetTensor(name);
+      std::memcpy(buffer_->data() + offset, t.data, t.size_bytes);
+      t.data = buffer_->data() + offset;
+      offset += (t.size_bytes + 63) / 64 * 64;
+      tensors_[name] = t;
+    }
+  }
+  absl::StatusOr<TensorView> GetTensor(const std::string& name) const override {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return absl::NotFoundError(name);
+    return it->second;
+  }
+  std::vector<std::string> TensorNames() const override {
+    std::vector<std::string> names;
+    for (const auto& [name, t] : tensors_) names.push_back(name);
+    return names;
+  }
+
+ private:
+  std::unique_ptr<bench::HugeBuffer> buffer_;
+  std::map<std::string, TensorView> tensors_;
+};
+
+int64_t Fp8Bytes(int64_t rows, int64_t cols) {
+  return rows * cols + ((rows + 127) / 128) * ((cols + 127) / 128) * 4;
+}
+
+// Weight bytes of one decode step outside the routed/shared experts: every attention module,
+// router, dense MLP, norms and lm_head (the embedding row is negligible).
+int64_t NonExpertBytesPerStep(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, nh = c.num_attention_heads;
+  int64_t bytes = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const int64_t rq = c.q_lora_rank.value_or(0);
+    bytes += rq > 0 ? Fp8Bytes(rq, h) + Fp8Bytes(nh * c.qk_head_dim(), rq) + rq * 2
+                    : Fp8Bytes(nh * c.qk_head_dim(), h);
+    bytes += Fp8Bytes(c.kv_lora_rank + c.qk_rope_head_dim, h) + c.kv_lora_rank * 2;
+    // kv_b: W_UV read in place, W_UK read as its transposed copy (same size).
+    bytes += Fp8Bytes(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank);
+    bytes += Fp8Bytes(h, nh * c.v_head_dim);
+    bytes += 2 * h * 2;  // two norms
+    if (c.is_moe_layer(l)) {
+      bytes += c.n_routed_experts * h * 2 + c.n_routed_experts * 4;
+    } else {
+      bytes += 2 * Fp8Bytes(c.intermediate_size, h) + Fp8Bytes(h, c.intermediate_size);
+    }
+  }
+  bytes += c.vocab_size * h * 2 + h * 2;
+  return bytes;
+}
+
+struct Setup {
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<HugePageWeights> copy;
+  std::unique_ptr<bench::HugeBuffer> probe;  // for the adjacent bandwidth measurement
+  std::map<int, std::unique_ptr<Device>> devices;
+  std::map<int, std::unique_ptr<ResidentWeights>> weights;
+  std::map<int, std::unique_ptr<Engine>> engines;
+  std::map<int, std::unique_ptr<KvCache>> caches;
+};
+
+Setup& GetSetup() {
+  static Setup* const setup = [] {
+    auto* s = new Setup();
+    auto checkpoint = Checkpoint::Open(g_model_dir);
+    HMOE_CHECK_OK(checkpoint.status());
+    s->checkpoint = std::move(*checkpoint);
+    if (!g_in_place) s->copy = std::make_unique<HugePageWeights>(*s->checkpoint);
+    s->probe = std::make_unique<bench::HugeBuffer>(size_t{1} << 30);
+    return s;
+  }();
+  return *setup;
+}
+
+Engine& EngineForThreads(int threads) {
+  Setup& s = GetSetup();
+  if (s.engines.count(threads) == 0) {
+    CpuWorkerPool& pool = bench::PoolForThreads(threads);
+    CpuDeviceOptions device_options;
+    device_options.pool = &pool;
+    s.devices[threads] = NewCpuDevice(device_options);
+    const WeightSource& source =
+        s.copy != nullptr ? static_cast<const WeightSource&>(*s.copy) : *s.checkpoint;
+    ResidentWeightsOptions weight_options;
+    weight_options.moe_parts = pool.num_nodes();
+    auto weights = ResidentWeights::Create(s.checkpoint->config(), source, *s.devices[threads],
+                                           weight_options);
+    HMOE_CHECK_OK(weights.status());
+    s.weights[threads] = std::move(*weights);
+    EngineOptions options;
+    options.max_step_tokens = 64;
+    auto engine = Engine::Create(s.checkpoint->config(), *s.weights[threads], *s.devices[threads],
+                                 pool, options);
+    HMOE_CHECK_OK(engine.status());
+    s.engines[threads] = std::move(*engine);
+    auto cache = KvCache::Create(*s.devices[threads],
+                                 KvCacheConfig::ForModel(s.checkpoint->config(), 64, 64));
+    HMOE_CHECK_OK(cache.status());
+    s.caches[threads] = std::move(*cache);
+  }
+  return *s.engines[threads];
+}
+
+double AdjacentBandwidth(int threads) {
+  Setup& s = GetSetup();
+  CpuWorkerPool& pool = bench::PoolForThreads(threads);
+  double best = 0;
+  for (int i = 0; i < 3; ++i) {
+    best = std::max(best, bench::TimedReadGBps(pool, s.probe->data(), s.probe->size()));
+  }
+  return best;
+}
+
+void BM_Decode(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int batch = static_cast<int>(state.range(1));
+  Engine& engine = EngineForThreads(threads);
+  KvCache& cache = *GetSetup().caches[threads];
+  const ModelConfig& c = engine.config();
+
+  // Sequences with short prompts of different lengths (prefill outside the timed region).
+  std::vector<KvSequence> seqs;
+  std::vector<int32_t> next(batch);
+  for (int b = 0; b < batch; ++b) {
+    seqs.push_back(cache.NewSequence());
+    std::vector<int32_t> prompt(8 + 3 * b);
+    for (size_t i = 0; i < prompt.size(); ++i)
+      prompt[i] = static_cast<int32_t>((b * 131 + i * 17) % 4000);
+    SequenceInput in{&seqs[b], prompt, true};
+    auto out = engine.Forward(std::span<const SequenceInput>(&in, 1));
+    HMOE_CHECK_OK(out.status());
+    next[b] = static_cast<int32_t>(std::max_element((*out)[0].begin(), (*out)[0].end()) -
+                                   (*out)[0].begin());
+  }
+  std::vector<SequenceInput> inputs(batch);
+  const double bw_before = AdjacentBandwidth(threads);
+
+  int64_t steps = 0;
+  int64_t expert_bytes = 0;
+  double seconds = 0;
+  StepStats phases;
+  // A 256 MiB read with the same pool right before every step: the bandwidth the step could get
+  // at that moment (this machine's bandwidth drifts with the load of other processes).
+  CpuWorkerPool& pool = bench::PoolForThreads(threads);
+  const std::byte* probe = GetSetup().probe->data();
+  double probe_sum = 0;
+  for (auto _ : state) {
+    probe_sum +=
+        bench::TimedReadGBps(pool, probe + (steps % 4) * (size_t{256} << 20), size_t{256} << 20);
+    for (int b = 0; b < batch; ++b) {
+      inputs[b] = {&seqs[b], std::span<const int32_t>(&next[b], 1), true};
+    }
+    const auto start = std::chrono::steady_clock::now();
+    auto out = engine.Forward(inputs);
+    const auto end = std::chrono::steady_clock::now();
+    HMOE_CHECK_OK(out.status());
+    seconds += std::chrono::duration<double>(end - start).count();
+    state.SetIterationTime(std::chrono::duration<double>(end - start).count());
+    const StepStats& st = engine.last_step_stats();
+    expert_bytes += st.expert_weight_bytes;
+    phases.attention_seconds += st.attention_seconds;
+    phases.ffn_seconds += st.ffn_seconds;
+    phases.head_seconds += st.head_seconds;
+    ++steps;
+    for (int b = 0; b < batch; ++b) {
+      next[b] = static_cast<int32_t>(std::max_element((*out)[b].begin(), (*out)[b].end()) -
+                                     (*out)[b].begin());
+    }
+  }
+  const double bw_after = AdjacentBandwidth(threads);
+  // The yardstick: the mean of the per-step probes (before/after figures are reported too).
+  const double bandwidth = probe_sum / std::max<int64_t>(1, steps);
+  const double step_seconds = seconds / std::max<int64_t>(1, steps);
+  const double bytes_per_step =
+      static_cast<double>(NonExpertBytesPerStep(c)) + static_cast<double>(expert_bytes) / steps;
+  state.counters["tok_per_s"] = batch / step_seconds;
+  state.counters["ms_per_step"] = step_seconds * 1e3;
+  state.counters["GB_per_step"] = bytes_per_step * 1e-9;
+  state.counters["eff_GBps"] = bytes_per_step / step_seconds * 1e-9;
+  state.counters["read_GBps"] = bandwidth;
+  state.counters["read_GBps_around"] = std::max(bw_before, bw_after);
+  state.counters["frac_of_bw"] = bytes_per_step / step_seconds * 1e-9 / bandwidth;
+  state.counters["attn_ms"] = phases.attention_seconds / steps * 1e3;
+  state.counters["ffn_ms"] = phases.ffn_seconds / steps * 1e3;
+  state.counters["head_ms"] = phases.head_seconds / steps * 1e3;
+}
+
+// Prefill of one prompt of state.range(1) tokens from an empty cache (Engine::Forward splits it
+// into steps of max_step_tokens); reports tokens/s and the device's peak scratch + KV bytes.
+void BM_Prefill(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int64_t length = state.range(1);
+  Engine& engine = EngineForThreads(threads);
+  Device& device = engine.device();
+  const ModelConfig& c = engine.config();
+  const int64_t block = 64;
+  auto cache = KvCache::Create(device, KvCacheConfig::ForModel(c, (length + block) / block, block));
+  HMOE_CHECK_OK(cache.status());
+  std::vector<int32_t> prompt(length);
+  for (int64_t i = 0; i < length; ++i) prompt[i] = static_cast<int32_t>((i * 7919) % 3000);
+  double seconds = 0;
+  for (auto _ : state) {
+    KvSequence seq = (*cache)->NewSequence();
+    device.ResetPeakBytes();
+    SequenceInput in{&seq, prompt, true};
+    const auto start = std::chrono::steady_clock::now();
+    auto out = engine.Forward(std::span<const SequenceInput>(&in, 1));
+    const auto end = std::chrono::steady_clock::now();
+    HMOE_CHECK_OK(out.status());
+    seconds += std::chrono::duration<double>(end - start).count();
+    state.SetIterationTime(std::chrono::duration<double>(end - start).count());
+  }
+  state.counters["tok_per_s"] = static_cast<double>(length) * state.iterations() / seconds;
+  state.counters["device_peak_MB"] = static_cast<double>(device.peak_bytes_in_use()) * 1e-6;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+int main(int argc, char** argv) {
+  // Our flags first (Google Benchmark rejects unknown ones).
+  std::vector<char*> rest;
+  std::vector<int64_t> prefill_lengths;  // --prefill=N (repeatable): also time an N-token prefill
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--model=", 0) == 0) {
+      hmoe::g_model_dir = arg.substr(8);
+    } else if (arg == "--in_place") {
+      hmoe::g_in_place = true;
+    } else if (arg.rfind("--prefill=", 0) == 0) {
+      prefill_lengths.push_back(std::atoll(arg.c_str() + 10));
+    } else if (arg.rfind("--steps=", 0) == 0) {
+      hmoe::g_steps = std::atoi(arg.c_str() + 8);
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  if (hmoe::g_model_dir.empty()) {
+    const char* env = std::getenv("HMOE_BENCH_MODEL");
+    if (env != nullptr) hmoe::g_model_dir = env;
+  }
+  if (hmoe::g_model_dir.empty() || !std::ifstream(hmoe::g_model_dir + "/config.json").good()) {
+    std::printf(
+        "decode_bench: no model (set HMOE_BENCH_MODEL or --model=DIR to a real-shaped "
+        "checkpoint); skipping\n");
+    return 0;
+  }
+  for (int threads : {1, 2}) {
+    for (int batch : {1, 2, 4, 6}) {
+      benchmark::RegisterBenchmark("BM_Decode", hmoe::BM_Decode)
+          ->Args({threads, batch})
+          ->ArgNames({"threads", "batch"})
+          ->Iterations(hmoe::g_steps)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  for (int64_t length : prefill_lengths) {
+    benchmark::RegisterBenchmark("BM_Prefill", hmoe::BM_Prefill)
+        ->Args({2, length})
+        ->ArgNames({"threads", "tokens"})
+        ->Iterations(1)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  int rest_argc = static_cast<int>(rest.size());
+  benchmark::Initialize(&rest_argc, rest.data());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

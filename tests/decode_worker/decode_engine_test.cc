@@ -1,0 +1,241 @@
+// The scheduler on the real engine (EngineStepEngine over the tiny checkpoint), in process:
+// continuous batching with chunked prefill and dual-batch overlap on and off agree with the
+// reference forward pass and with each other, and a KV cache handed over in the hand-off format
+// continues like a local prefill. Label "threads": the batching and dual-batch paths under TSan.
+
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include <gtest/gtest.h>
+
+#include "common/device/cpu_device.h"
+#include "common/engine/moe_cpu/cpu_worker_pool.h"
+#include "common/engine/reference/reference_model.h"
+#include "common/kv/kv_handoff.h"
+#include "common/model/checkpoint.h"
+#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/scheduler.h"
+#include "tests/decode_worker/decode_test_util.h"
+
+namespace hmoe::decode {
+namespace {
+
+using ::hmoe::decode::testing::CheckAgreement;
+using ::hmoe::decode::testing::ScopedTempDir;
+
+struct Model {
+  ScopedTempDir dir;
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<reference::ReferenceModel> reference;
+};
+
+Model* g_model = nullptr;
+
+class DecodeEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_model = new Model();
+    ASSERT_FALSE(g_model->dir.path().empty());
+    const std::string path = g_model->dir.File("tiny");
+    ASSERT_TRUE(testing::WritePreset("tiny", path).ok());
+    auto ckpt = Checkpoint::Open(path);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    g_model->checkpoint = *std::move(ckpt);
+    auto ref =
+        reference::ReferenceModel::Create(g_model->checkpoint->config(), *g_model->checkpoint);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    g_model->reference = *std::move(ref);
+  }
+  static void TearDownTestSuite() {
+    delete g_model;
+    g_model = nullptr;
+  }
+
+  void SetUp() override {
+    ASSERT_NE(g_model, nullptr);
+    ASSERT_NE(g_model->reference, nullptr);
+    CpuWorkerPoolOptions po;
+    po.num_nodes = 1;
+    po.threads_per_node = 2;
+    po.pin_threads = false;
+    auto pool = CpuWorkerPool::Create(po);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = *std::move(pool);
+    CpuDeviceOptions dopt;
+    dopt.pool = pool_.get();
+    device_ = NewCpuDevice(dopt);
+  }
+
+  std::unique_ptr<EngineStepEngine> MakeEngine(int batch, int chunk, int64_t kv_blocks = 64) {
+    EngineStepEngineOptions o;
+    o.max_step_tokens = chunk + batch;
+    o.max_step_sequences = batch;
+    o.kv_blocks = kv_blocks;
+    o.kv_block_tokens = 16;
+    auto e = EngineStepEngine::Create(g_model->checkpoint->config(), *g_model->checkpoint, *device_,
+                                      *pool_, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    return e.ok() ? *std::move(e) : nullptr;
+  }
+
+  std::unique_ptr<CpuWorkerPool> pool_;
+  std::unique_ptr<Device> device_;
+};
+
+std::vector<int32_t> Prompt(int n, int seed) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(static_cast<int32_t>(2 + (seed * 131 + i * 37) % 1000));
+  return p;
+}
+
+struct Result {
+  std::vector<int32_t> tokens;
+  FinishEvent finish;
+  bool kv_imported = false;
+};
+
+Result Collect(RequestChannel& ch) {
+  Result r;
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (true) {
+    std::optional<RequestEvent> e = ch.Pop(deadline);
+    if (!e.has_value()) {
+      ADD_FAILURE() << "timed out";
+      return r;
+    }
+    if (auto* t = std::get_if<TokenEvent>(&*e)) {
+      r.tokens.push_back(t->token);
+    } else if (std::holds_alternative<KvImportedEvent>(*e)) {
+      r.kv_imported = true;
+    } else {
+      r.finish = std::get<FinishEvent>(*e);
+      return r;
+    }
+  }
+}
+
+GenerationRequest Greedy(const std::string& id, std::vector<int32_t> prompt, int max_new) {
+  GenerationRequest r;
+  r.id = id;
+  r.prompt = std::move(prompt);
+  r.sampling.max_new_tokens = max_new;
+  r.sampling.ignore_eos = true;
+  return r;
+}
+
+TEST_F(DecodeEngineTest, MixedBatchAgreesWithReferenceAndDualBatchChangesNothing) {
+  constexpr int kTokens = 12;
+  const std::vector<int> lengths = {1, 3, 6, 9, 13, 19};
+  std::vector<std::vector<int32_t>> by_mode[2];
+  for (int dual = 0; dual < 2; ++dual) {
+    std::unique_ptr<EngineStepEngine> engine = MakeEngine(6, 8);
+    ASSERT_NE(engine, nullptr);
+    SchedulerOptions so;
+    so.batch_size = 6;
+    so.chunk_size = 8;
+    so.dual_batch = dual == 1;
+    auto scheduler = Scheduler::Create(*engine, so);
+    ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+    std::vector<std::shared_ptr<RequestChannel>> channels;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      auto ch = (*scheduler)
+                    ->Submit(Greedy(absl::StrCat("r", i), Prompt(lengths[i], static_cast<int>(i)),
+                                    kTokens));
+      ASSERT_TRUE(ch.ok()) << ch.status();
+      channels.push_back(*ch);
+    }
+    for (size_t i = 0; i < channels.size(); ++i) {
+      Result r = Collect(*channels[i]);
+      ASSERT_EQ(r.finish.cause, FinishCause::kLength) << r.finish.error;
+      ASSERT_EQ(r.tokens.size(), static_cast<size_t>(kTokens));
+      auto agreement =
+          CheckAgreement(*g_model->reference, Prompt(lengths[i], static_cast<int>(i)), r.tokens);
+      ASSERT_TRUE(agreement.ok()) << agreement.status();
+      EXPECT_TRUE(agreement->ok())
+          << "dual=" << dual << " request " << i << ":" << agreement->detail;
+      by_mode[dual].push_back(r.tokens);
+    }
+    const SchedulerStats stats = (*scheduler)->stats();
+    EXPECT_GE(stats.max_running_seen, 2);
+    if (dual == 1) {
+      EXPECT_GT(stats.dual_steps, 0);
+    }
+    (*scheduler)->Shutdown();
+    EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
+  }
+  EXPECT_EQ(by_mode[0], by_mode[1]) << "dual-batch overlap changed tokens";
+}
+
+TEST_F(DecodeEngineTest, ImportedReferenceKvCacheContinuesLikeThePrefill) {
+  constexpr int kTokens = 8;
+  const std::vector<int32_t> prompt = Prompt(21, 7);
+  const reference::ReferenceModel& ref = *g_model->reference;
+  // The prefill side: the reference computes the prompt's cache and first token.
+  reference::ReferenceKvCache cache = ref.NewCache();
+  auto logits = ref.Forward(prompt, cache);
+  ASSERT_TRUE(logits.ok());
+  const int64_t vocab = ref.config().vocab_size;
+  const float* last = logits->data() + (prompt.size() - 1) * vocab;
+  const auto first = static_cast<int32_t>(std::max_element(last, last + vocab) - last);
+
+  std::unique_ptr<EngineStepEngine> engine = MakeEngine(2, 8);
+  ASSERT_NE(engine, nullptr);
+  const std::string name = absl::StrCat("hmoe-test-decode-kv-", ::getpid());
+  {
+    auto seg = KvHandoffSegment::Create(name, engine->kv_handoff_shape(),
+                                        static_cast<int64_t>(prompt.size()));
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    // Layer-major, token rows of latent then rope key (kv_handoff.h).
+    float* out = reinterpret_cast<float*>(seg->payload().data());
+    for (int64_t l = 0; l < cache.num_layers(); ++l) {
+      for (int64_t t = 0; t < cache.size(); ++t) {
+        for (int64_t c = 0; c < cache.kv_lora_rank(); ++c) {
+          *out++ = cache.latent(l)[t * cache.kv_lora_rank() + c];
+        }
+        for (int64_t c = 0; c < cache.rope_dim(); ++c) {
+          *out++ = cache.k_pe(l)[t * cache.rope_dim() + c];
+        }
+      }
+    }
+  }
+  KvHandleSpec spec;
+  spec.shm_name = name;
+  spec.num_tokens = static_cast<int64_t>(prompt.size());
+  spec.layout_version = kKvHandoffLayoutVersion;
+  auto source = NewShmKvImporter()->Open(spec, engine->kv_handoff_shape());
+  ASSERT_TRUE(source.ok()) << source.status();
+  ASSERT_TRUE(KvHandoffSegment::Remove(name).ok());  // the mapping stays valid
+
+  SchedulerOptions so;
+  so.batch_size = 2;
+  so.chunk_size = 8;
+  auto scheduler = Scheduler::Create(*engine, so);
+  ASSERT_TRUE(scheduler.ok());
+  GenerationRequest r;
+  r.id = "kv";
+  r.kv = *std::move(source);
+  r.kv_num_tokens = static_cast<int64_t>(prompt.size());
+  r.first_token = first;
+  r.sampling.max_new_tokens = kTokens;
+  r.sampling.ignore_eos = true;
+  auto ch = (*scheduler)->Submit(std::move(r));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  Result res = Collect(**ch);
+  EXPECT_TRUE(res.kv_imported);
+  ASSERT_EQ(res.finish.cause, FinishCause::kLength) << res.finish.error;
+  std::vector<int32_t> generated = {first};
+  generated.insert(generated.end(), res.tokens.begin(), res.tokens.end());
+  ASSERT_EQ(generated.size(), static_cast<size_t>(kTokens));
+  auto agreement = CheckAgreement(ref, prompt, generated);
+  ASSERT_TRUE(agreement.ok());
+  EXPECT_TRUE(agreement->ok()) << agreement->detail;
+}
+
+}  // namespace
+}  // namespace hmoe::decode

@@ -1,0 +1,457 @@
+// CudaDevice beyond tests/device/device_test.cc (which runs every op on every device kind with
+// small shapes): the no-GPU behaviour that CI can check, ScopedHostRegister, and CudaDevice
+// against CpuDevice on DeepSeek-V3-like shapes that exercise the CUDA code's chunking (several
+// weight row chunks and token chunks in one Linear), the MLA kernel's real shared-memory
+// footprint (kv_lora_rank 512 + rope 64) with FP8 projections, and the router at E = 256.
+// Label "gpu": the device comparisons skip (with the reason) where no GPU is visible.
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/device/cpu_device.h"
+#include "common/device/cuda_host_register.h"
+#include "common/device/cuda_plan.h"
+#include "common/device/device.h"
+#include "common/kernels/cuda/cuda_backend.h"
+#include "common/model/dtype.h"
+
+namespace hmoe {
+namespace {
+
+TEST(CudaDeviceTest, NewCudaDeviceIsUnavailableWithTheReasonWithoutGpu) {
+  absl::StatusOr<std::unique_ptr<Device>> device = NewCudaDevice(0);
+  if (CudaDeviceCount() > 0) {
+    ASSERT_TRUE(device.ok()) << device.status();
+    EXPECT_EQ((*device)->kind(), DeviceKind::kCuda);
+    EXPECT_EQ((*device)->name(), "cuda:0");
+    EXPECT_FALSE((*device)->host_accessible());
+    return;
+  }
+  ASSERT_EQ(device.status().code(), absl::StatusCode::kUnavailable) << device.status();
+  const std::string reason = cuda::NoDeviceReason();
+  EXPECT_FALSE(reason.empty());
+  EXPECT_NE(std::string(device.status().message()).find(reason), std::string::npos)
+      << device.status();
+}
+
+TEST(CudaDeviceTest, OrdinalPastTheLastDeviceIsUnavailable) {
+  EXPECT_EQ(NewCudaDevice(CudaDeviceCount()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(NewCudaDevice(-1).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// A read-only anonymous mapping of `pages` pages filled with a byte pattern (like weightd's).
+struct ReadOnlyMapping {
+  explicit ReadOnlyMapping(size_t pages) : bytes(pages * static_cast<size_t>(getpagesize())) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(p, MAP_FAILED);
+    data = static_cast<std::byte*>(p);
+    for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<std::byte>(i * 7 + 1);
+    EXPECT_EQ(mprotect(data, bytes, PROT_READ), 0);
+  }
+  ~ReadOnlyMapping() { munmap(data, bytes); }
+  size_t bytes;
+  std::byte* data = nullptr;
+};
+
+TEST(ScopedHostRegisterTest, RegistersAReadOnlyMappingOrSaysWhyNot) {
+  ReadOnlyMapping mapping(4);
+  absl::StatusOr<ScopedHostRegister> reg =
+      ScopedHostRegister::Create(mapping.data, mapping.bytes, /*read_only=*/true);
+  if (CudaDeviceCount() == 0) {
+    EXPECT_EQ(reg.status().code(), absl::StatusCode::kUnavailable) << reg.status();
+    return;
+  }
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->data(), mapping.data);
+  EXPECT_EQ(reg->size_bytes(), mapping.bytes);
+  // Registering the same range twice is refused while the first registration lives.
+  EXPECT_EQ(ScopedHostRegister::Create(mapping.data, mapping.bytes).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  // An asynchronous copy from the registered pages round-trips.
+  auto device = NewCudaDevice(0);
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto stream = (*device)->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  auto buffer = (*device)->Allocate(mapping.bytes);
+  ASSERT_TRUE(buffer.ok());
+  std::vector<std::byte> back(mapping.bytes);
+  ASSERT_TRUE((*device)->CopyToDevice(**stream, buffer->data(), mapping.data, mapping.bytes).ok());
+  ASSERT_TRUE((*device)->CopyToHost(**stream, back.data(), buffer->data(), mapping.bytes).ok());
+  ASSERT_TRUE((*stream)->Synchronize().ok());
+  EXPECT_EQ(std::memcmp(back.data(), mapping.data, mapping.bytes), 0);
+  // Moving keeps one registration; Reset releases it, so the range can be registered again.
+  ScopedHostRegister moved = *std::move(reg);
+  moved.Reset();
+  EXPECT_TRUE(moved.empty());
+  EXPECT_TRUE(ScopedHostRegister::Create(mapping.data, mapping.bytes).ok());
+}
+
+// ---------------------------------------------------------------------------------- planning
+
+struct PlanCase {
+  std::vector<MlaSegment> segments;
+  int64_t num_heads;
+  int64_t chunk_rows;
+};
+
+TEST(CudaPlanTest, MlaTilesCoverEveryRowAndHeadExactlyOnce) {
+  std::vector<MlaSegment> decode;
+  for (int64_t i = 0; i < 9; ++i) decode.push_back({i, 1, 3 * i + 1, 2 * i});
+  const std::vector<MlaSegment> prefill = {{0, 37, 6, 0}, {40, 1, 0, 5}, {37, 3, 100, 7}};
+  const std::vector<PlanCase> cases = {{decode, 128, 1000}, {decode, 3, 4},    {prefill, 1, 1000},
+                                       {prefill, 3, 7},     {prefill, 128, 1}, {prefill, 5, 16}};
+  for (const PlanCase& pc : cases) {
+    SCOPED_TRACE(::testing::Message() << "heads " << pc.num_heads << " chunk " << pc.chunk_rows);
+    const internal::MlaPlan plan = internal::PlanMla(pc.segments, pc.num_heads, pc.chunk_rows);
+    // Compact rows: the segments' rows in order; remember each row's segment and position.
+    std::vector<int32_t> want_rows;
+    std::vector<size_t> seg_of;
+    std::vector<int64_t> pos_of;
+    for (size_t s = 0; s < pc.segments.size(); ++s) {
+      for (int64_t i = 0; i < pc.segments[s].num_queries; ++i) {
+        want_rows.push_back(static_cast<int32_t>(pc.segments[s].query_begin + i));
+        seg_of.push_back(s);
+        pos_of.push_back(pc.segments[s].start_pos + i);
+      }
+    }
+    ASSERT_EQ(plan.q_rows, want_rows);
+    const int64_t total = static_cast<int64_t>(want_rows.size());
+    const int64_t chunks = (total + plan.chunk_rows - 1) / plan.chunk_rows;
+    ASSERT_EQ(static_cast<int64_t>(plan.chunk_tiles.size()), chunks + 1);
+    std::vector<int> covered(total * pc.num_heads, 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t c0 = c * plan.chunk_rows;
+      const int64_t chunk_len = std::min(plan.chunk_rows, total - c0);
+      for (int64_t ti = plan.chunk_tiles[c]; ti < plan.chunk_tiles[c + 1]; ++ti) {
+        const cuda::MlaTile& t = plan.tiles[ti];
+        ASSERT_GE(t.num_queries, 1);
+        ASSERT_GE(t.num_heads, 1);
+        ASSERT_LE(t.num_queries * t.num_heads, cuda::kMlaTileRows);
+        ASSERT_GE(t.first_row, 0);
+        ASSERT_LE(t.first_row + t.num_queries, chunk_len);
+        ASSERT_LE(t.first_head + t.num_heads, pc.num_heads);
+        const int64_t r0 = c0 + t.first_row;
+        const MlaSegment& seg = pc.segments[seg_of[r0]];
+        EXPECT_EQ(t.first_pos, pos_of[r0]);
+        EXPECT_EQ(t.table_offset, seg.block_table_offset);
+        for (int64_t i = 0; i < t.num_queries; ++i) {
+          ASSERT_EQ(seg_of[r0 + i], seg_of[r0]) << "a tile spans two sequences";
+          EXPECT_EQ(pos_of[r0 + i], t.first_pos + i);
+          for (int64_t h = 0; h < t.num_heads; ++h) {
+            ++covered[(r0 + i) * pc.num_heads + t.first_head + h];
+          }
+        }
+      }
+    }
+    for (size_t i = 0; i < covered.size(); ++i) ASSERT_EQ(covered[i], 1) << "(row, head) " << i;
+  }
+  // Decode packs 16 heads of one query per block; prefill 16 queries of one head.
+  const internal::MlaPlan d = internal::PlanMla(decode, 128, 1000);
+  EXPECT_EQ(d.tiles.size(), 9u * 8u);
+  EXPECT_EQ(d.tiles[0].num_heads, 16);
+  const internal::MlaPlan p = internal::PlanMla(prefill, 128, 1000);
+  EXPECT_EQ(p.tiles[0].num_queries, 16);
+  EXPECT_EQ(p.tiles[0].num_heads, 1);
+}
+
+TEST(CudaPlanTest, LinearChunksBoundTheTemporaries) {
+  alignas(16) static const uint8_t kAny[16] = {};
+  auto weight = [](DType dtype, int64_t rows, int64_t cols, const void* data) {
+    return LinearWeight{dtype, data, rows, cols, cols, nullptr, (cols + 127) / 128};
+  };
+  const int64_t limit = internal::kCudaActivationChunkBytes;
+  struct Case {
+    LinearWeight w;
+    bool f32;
+    int64_t n;
+    internal::LinearMode mode;
+    bool direct;
+  };
+  const Case cases[] = {
+      {weight(DType::kF8E4M3, 18432, 7168, kAny), false, 1, internal::LinearMode::kFp8, false},
+      {weight(DType::kF8E4M3, 4700, 7168, kAny), false, 5000, internal::LinearMode::kFp8, false},
+      {weight(DType::kF8E4M3, 300, 520, kAny), false, 19, internal::LinearMode::kFp8, false},
+      {weight(DType::kBF16, 4096, 7168, kAny), false, 4096, internal::LinearMode::kBf16, true},
+      {weight(DType::kBF16, 77, 100, kAny + 1), false, 3, internal::LinearMode::kBf16, false},
+      {weight(DType::kF32, 50, 33, kAny), false, 9, internal::LinearMode::kF32, true},
+      {weight(DType::kBF16, 256, 7168, kAny), true, 4096, internal::LinearMode::kF32, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << DTypeName(c.w.dtype) << " [" << c.w.rows << ", " << c.w.cols << "] n=" << c.n);
+    const internal::LinearPlan p = internal::PlanLinear(c.w, c.f32, c.n);
+    EXPECT_EQ(p.mode, c.mode);
+    EXPECT_EQ(p.direct, c.direct);
+    EXPECT_EQ(p.num_blocks, (c.w.cols + 127) / 128);
+    EXPECT_EQ(p.k_padded, c.mode == internal::LinearMode::kFp8 ? p.num_blocks * 128 : c.w.cols);
+    // Row chunks: everything, or whole 128-row blocks (FP8 scales are per 128 rows).
+    EXPECT_TRUE(p.row_chunk == c.w.rows || (p.row_chunk % 128 == 0 && p.row_chunk < c.w.rows));
+    EXPECT_GE(p.token_chunk, 1);
+    EXPECT_LE(p.token_chunk, c.n);
+    // Each temporary stays within its bound (or is a single minimal chunk).
+    const int64_t elem = c.mode == internal::LinearMode::kF32 ? 4 : 2;
+    if (c.mode != internal::LinearMode::kF32) {
+      EXPECT_TRUE(p.token_chunk * p.k_padded * 2 <= limit || p.token_chunk == 1);
+    } else {
+      EXPECT_EQ(p.token_chunk, c.n);
+    }
+    if (!p.direct) {
+      EXPECT_TRUE(p.row_chunk * p.k_padded * elem <= limit || p.row_chunk == 128);
+    }
+    if (c.mode == internal::LinearMode::kFp8) {
+      EXPECT_TRUE(p.num_blocks * p.token_chunk * p.row_chunk * 4 <= limit || p.token_chunk == 1);
+      EXPECT_GE(p.partial_offset, p.w_offset + static_cast<size_t>(p.row_chunk * p.k_padded * 2));
+    }
+    EXPECT_LE(p.bytes, static_cast<size_t>(3 * limit + 3 * internal::kScratchAlign));
+    EXPECT_EQ(p.bytes % internal::kScratchAlign, 0u);
+  }
+  // The chunked FP8 case really splits: several row chunks, token chunks of the partial sums.
+  const internal::LinearPlan big =
+      internal::PlanLinear(weight(DType::kF8E4M3, 4700, 7168, kAny), false, 5000);
+  EXPECT_EQ(big.row_chunk, 4608);
+  EXPECT_EQ(big.token_chunk, 65);  // 64 MiB / (56 blocks * 4608 rows * 4 bytes)
+}
+
+// ---------------------------------------------------------------------------------- GPU vs CPU
+
+std::vector<float> RandomFloats(size_t n, uint32_t seed, float stddev = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// A row-major FP8 weight with 128x128 block scales and its dense (dequantized) values.
+struct Fp8Weight {
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<float> dense;
+};
+
+Fp8Weight MakeFp8(int64_t rows, int64_t cols, uint32_t seed) {
+  Fp8Weight w{rows, cols, std::vector<uint8_t>(rows * cols), {}, std::vector<float>(rows * cols)};
+  const int64_t sc = (cols + 127) / 128;
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
+  w.scales.resize(((rows + 127) / 128) * sc);
+  for (float& s : w.scales) s = scale(rng);
+  const std::vector<float> values = RandomFloats(rows * cols, seed + 1, 0.05f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float s = w.scales[(r / 128) * sc + c / 128];
+      w.codes[r * cols + c] = FloatToFp8E4M3(values[r * cols + c] / s);
+      w.dense[r * cols + c] = Fp8E4M3ToFloat(w.codes[r * cols + c]) * s;
+    }
+  }
+  return w;
+}
+
+// The same inputs on a CudaDevice and a CpuDevice.
+class CudaVsCpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::NoDeviceReason();
+    auto gpu = NewCudaDevice(0);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpu_ = *std::move(gpu);
+    cpu_ = NewCpuDevice();
+    auto gs = gpu_->CreateStream();
+    ASSERT_TRUE(gs.ok()) << gs.status();
+    gpu_stream_ = *std::move(gs);
+    auto cs = cpu_->CreateStream();
+    ASSERT_TRUE(cs.ok());
+    cpu_stream_ = *std::move(cs);
+  }
+
+  // A device copy of `bytes` on the GPU (kept alive by the fixture).
+  template <typename T>
+  T* Gpu(const std::vector<T>& v) {
+    auto buffer = gpu_->Allocate(std::max<size_t>(1, v.size() * sizeof(T)));
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_TRUE(
+        gpu_->CopyToDevice(*gpu_stream_, buffer->data(), v.data(), v.size() * sizeof(T)).ok());
+    buffers_.push_back(*std::move(buffer));
+    return buffers_.back().template as<T>();
+  }
+  template <typename T>
+  std::vector<T> FromGpu(const T* p, size_t n) {
+    std::vector<T> v(n);
+    EXPECT_TRUE(gpu_->CopyToHost(*gpu_stream_, v.data(), p, n * sizeof(T)).ok());
+    EXPECT_TRUE(gpu_stream_->Synchronize().ok());
+    return v;
+  }
+
+  std::unique_ptr<Device> gpu_, cpu_;
+  std::unique_ptr<Stream> gpu_stream_, cpu_stream_;
+  std::vector<DeviceBuffer> buffers_;
+};
+
+TEST_F(CudaVsCpuTest, Fp8LinearOverSeveralRowAndTokenChunksMatchesCpu) {
+  // 4700 rows of 7168 columns: two dequantized row chunks (4608 rows each at most) and, at 70
+  // tokens, two token chunks of the block partial sums (65 tokens each at most).
+  const int64_t rows = 4700, cols = 7168, n = 70, x_stride = cols + 8, y_stride = rows + 4;
+  const Fp8Weight w = MakeFp8(rows, cols, 1);
+  const std::vector<float> x = RandomFloats(n * x_stride, 2);
+  LinearWeight cpu_w{DType::kF8E4M3,  w.codes.data(),    rows, cols, cols,
+                     w.scales.data(), (cols + 127) / 128};
+  LinearWeight gpu_w = cpu_w;
+  gpu_w.data = Gpu(w.codes);
+  gpu_w.scale_inv = Gpu(w.scales);
+  std::vector<float> want(n * y_stride, 0.0f);
+  ASSERT_TRUE(cpu_->Linear(*cpu_stream_, cpu_w, x.data(), x_stride, n, want.data(), y_stride).ok());
+  float* y = Gpu(std::vector<float>(n * y_stride, 0.0f));
+  ASSERT_TRUE(gpu_->Linear(*gpu_stream_, gpu_w, Gpu(x), x_stride, n, y, y_stride).ok());
+  const std::vector<float> got = FromGpu(y, n * y_stride);
+  // Every 13th row plus the rows around the row-chunk boundary (4608) and the last row.
+  std::vector<int64_t> checked = {4607, 4608, rows - 1};
+  for (int64_t r = 0; r < rows; r += 13) checked.push_back(r);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t r : checked) {
+      double mag = 0.0;  // sum |w x|: the scale of the F32 summation error
+      for (int64_t c = 0; c < cols; ++c) {
+        mag += std::abs(static_cast<double>(w.dense[r * cols + c]) * x[t * x_stride + c]);
+      }
+      ASSERT_NEAR(got[t * y_stride + r], want[t * y_stride + r], 1e-5 * mag + 1e-7)
+          << "t " << t << " r " << r;
+    }
+  }
+}
+
+TEST_F(CudaVsCpuTest, MoeGateAtDeepSeekShapesMatchesCpu) {
+  const int64_t e = 256, hidden = 7168, n = 33, k = 8;
+  std::vector<uint16_t> router(e * hidden);
+  const std::vector<float> rv = RandomFloats(e * hidden, 3, 0.02f);
+  for (size_t i = 0; i < router.size(); ++i) router[i] = FloatToBf16(rv[i]);
+  const std::vector<float> bias = RandomFloats(e, 4, 0.05f);
+  const std::vector<float> x = RandomFloats(n * hidden, 5);
+  MoeGateParams p;
+  p.num_experts = e;
+  p.top_k = k;
+  p.n_group = 8;
+  p.topk_group = 4;
+  p.routed_scaling_factor = 2.5f;
+  std::vector<int32_t> want_ids(n * k);
+  std::vector<float> want_w(n * k);
+  ASSERT_TRUE(cpu_->MoeGate(*cpu_stream_, x.data(), hidden, n,
+                            {DType::kBF16, router.data(), e, hidden, hidden, nullptr, 0},
+                            {DType::kF32, bias.data(), e}, p, want_ids.data(), want_w.data())
+                  .ok());
+  int32_t* ids = Gpu(std::vector<int32_t>(n * k));
+  float* weights = Gpu(std::vector<float>(n * k));
+  ASSERT_TRUE(gpu_->MoeGate(*gpu_stream_, Gpu(x), hidden, n,
+                            {DType::kBF16, Gpu(router), e, hidden, hidden, nullptr, 0},
+                            {DType::kF32, Gpu(bias), e}, p, ids, weights)
+                  .ok());
+  // Both compute the logits in F32 (different summation orders): the same choices unless two
+  // experts are within F32 rounding of each other, which random data does not produce.
+  EXPECT_EQ(FromGpu(ids, n * k), want_ids);
+  const std::vector<float> got_w = FromGpu(weights, n * k);
+  for (int64_t i = 0; i < n * k; ++i) EXPECT_NEAR(got_w[i], want_w[i], 1e-5f) << i;
+}
+
+TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
+  // kv_lora_rank 512 + rope 64 (the kernel's 75 KB of shared memory), FP8 kv_b and W_UK^T with
+  // 128-aligned heads, 64-token cache blocks; a prefill chunk and a batch of decode queries.
+  const int64_t nh = 4, dn = 128, dr = 64, dv = 128, rkv = 512, row = rkv + dr, block = 64;
+  const Fp8Weight kv_b = MakeFp8(nh * (dn + dv), rkv, 10);
+  // W_UK_h^T [rkv, dn]: the transposed codes of kv_b's W_UK rows, with transposed block scales.
+  std::vector<Fp8Weight> uk(nh);
+  for (int64_t h = 0; h < nh; ++h) {
+    Fp8Weight& t = uk[h];
+    t.rows = rkv;
+    t.cols = dn;
+    t.codes.resize(rkv * dn);
+    for (int64_t r = 0; r < rkv; ++r) {
+      for (int64_t i = 0; i < dn; ++i)
+        t.codes[r * dn + i] = kv_b.codes[(h * (dn + dv) + i) * rkv + r];
+    }
+    t.scales.resize(rkv / 128);
+    for (int64_t rb = 0; rb < rkv / 128; ++rb) {
+      t.scales[rb] = kv_b.scales[(h * (dn + dv) / 128) * (rkv / 128) + rb];
+    }
+  }
+  struct Seq {
+    int64_t start_pos, num_queries;
+  };
+  for (const bool decode : {false, true}) {
+    SCOPED_TRACE(decode ? "decode" : "prefill");
+    const std::vector<Seq> seqs =
+        decode ? std::vector<Seq>{{0, 1}, {200, 1}, {63, 1}, {64, 1}, {1000, 1}, {5, 2}}
+               : std::vector<Seq>{{50, 80}, {0, 17}};
+    // Each sequence gets consecutive blocks, in reverse order (a non-trivial block table).
+    std::vector<int32_t> tables;
+    std::vector<MlaSegment> segments;
+    int64_t rows = 0, blocks = 0;
+    for (const Seq& s : seqs) {
+      const int64_t nb = (s.start_pos + s.num_queries + block - 1) / block;
+      segments.push_back({rows, s.num_queries, s.start_pos, static_cast<int64_t>(tables.size())});
+      for (int64_t b = 0; b < nb; ++b) tables.push_back(static_cast<int32_t>(blocks + nb - 1 - b));
+      blocks += nb;
+      rows += s.num_queries;
+    }
+    const std::vector<float> pool = RandomFloats(blocks * block * row, 20);
+    const int64_t q_stride = nh * (dn + dr), out_stride = nh * dv;
+    const std::vector<float> q = RandomFloats(rows * q_stride, 21);
+
+    MlaAttentionArgs args;
+    args.dims = {nh, dn, dr, dv, rkv, 0.1352f};
+    args.q_stride = q_stride;
+    args.out_stride = out_stride;
+    args.segments = segments;
+    // CPU: host pointers.
+    std::vector<LinearWeight> cpu_uk, gpu_uk;
+    for (int64_t h = 0; h < nh; ++h) {
+      cpu_uk.push_back({DType::kF8E4M3, uk[h].codes.data(), rkv, dn, dn, uk[h].scales.data(), 1});
+      gpu_uk.push_back({DType::kF8E4M3, Gpu(uk[h].codes), rkv, dn, dn, Gpu(uk[h].scales), 1});
+    }
+    std::vector<float> want(rows * out_stride);
+    std::vector<float> cpu_pool = pool;
+    args.q = q.data();
+    args.w_uk_t = cpu_uk;
+    args.kv_b = {DType::kF8E4M3,     kv_b.codes.data(), nh * (dn + dv), rkv, rkv,
+                 kv_b.scales.data(), rkv / 128};
+    args.cache = {cpu_pool.data(), block, block * row, row};
+    args.block_tables = tables.data();
+    args.out = want.data();
+    ASSERT_TRUE((decode ? cpu_->MlaDecodeAttention(*cpu_stream_, args)
+                        : cpu_->MlaPrefillAttention(*cpu_stream_, args))
+                    .ok());
+    // GPU: the same arguments in device memory.
+    args.q = Gpu(q);
+    args.w_uk_t = gpu_uk;
+    args.kv_b.data = Gpu(kv_b.codes);
+    args.kv_b.scale_inv = Gpu(kv_b.scales);
+    args.cache.base = Gpu(pool);
+    args.block_tables = Gpu(tables);
+    float* out = Gpu(std::vector<float>(rows * out_stride));
+    args.out = out;
+    ASSERT_TRUE((decode ? gpu_->MlaDecodeAttention(*gpu_stream_, args)
+                        : gpu_->MlaPrefillAttention(*gpu_stream_, args))
+                    .ok());
+    const std::vector<float> got = FromGpu(out, rows * out_stride);
+    float max_abs = 0.0f;
+    for (float v : want) max_abs = std::max(max_abs, std::abs(v));
+    for (int64_t i = 0; i < rows * out_stride; ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-4f * (max_abs + std::abs(want[i]))) << "element " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hmoe

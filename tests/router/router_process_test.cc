@@ -1,0 +1,167 @@
+// hmoe-router and the hmoe client as real processes: the router on loopback port 0 with its
+// registry on a unix socket in an owner-only directory; this test plays a decode worker (the real
+// proto/decode.proto service, echoing the prompt ids) that registers through that socket. Checks
+// health, status, a streamed generation through the router, a validation error's exit code and
+// message, and a clean SIGTERM exit. Binary paths come from $<TARGET_FILE:...>.
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include <grpcpp/grpcpp.h>
+
+#include "proto/decode.grpc.pb.h"
+#include "proto/worker_registry.grpc.pb.h"
+#include "tests/integration/child_process.h"
+
+#include "gtest/gtest.h"
+
+namespace hmoe::router {
+namespace {
+
+using ::hmoe::testing::ChildOptions;
+using ::hmoe::testing::ChildProcess;
+namespace dv1 = hmoe::decode::v1;
+namespace rv1 = hmoe::registry::v1;
+
+constexpr char kRouter[] = HMOE_ROUTER_PATH;
+constexpr char kClient[] = HMOE_CLIENT_PATH;
+
+class EchoDecodeService final : public dv1::DecodeService::Service {
+ public:
+  grpc::Status Admit(grpc::ServerContext*, const dv1::AdmitRequest* request,
+                     grpc::ServerWriter<dv1::AdmitResponse>* writer) override {
+    dv1::AdmitResponse r;
+    for (int i = 0; i < request->prompt_token_ids_size(); ++i) {
+      r.mutable_token()->set_token_id(request->prompt_token_ids(i));
+      r.mutable_token()->set_index(i);
+      writer->Write(r);
+    }
+    r.mutable_finished()->set_reason(dv1::FINISH_REASON_LENGTH);
+    r.mutable_finished()->mutable_usage()->set_completion_tokens(request->prompt_token_ids_size());
+    writer->Write(r);
+    return grpc::Status::OK;
+  }
+};
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+class RouterProcessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = absl::StrCat(::testing::TempDir(), "/router_process_", getpid());
+    mkdir(dir_.c_str(), 0700);
+  }
+
+  RunResult Client(std::vector<std::string> args) {
+    static int counter = 0;
+    const std::string tag = absl::StrCat(dir_, "/client", ++counter);
+    ChildOptions options;
+    options.argv = {kClient};
+    options.argv.insert(options.argv.end(), args.begin(), args.end());
+    options.stdout_path = tag + ".out";
+    options.stderr_path = tag + ".err";
+    RunResult result;
+    absl::StatusOr<ChildProcess> child = ChildProcess::Start(std::move(options));
+    EXPECT_TRUE(child.ok()) << child.status();
+    if (!child.ok()) return result;
+    absl::StatusOr<int> code = child->WaitForExit(std::chrono::seconds(60));
+    EXPECT_TRUE(code.ok()) << code.status();
+    result.exit_code = code.value_or(-1);
+    result.out = child->ReadStdout();
+    result.err = child->ReadStderr();
+    return result;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(RouterProcessTest, ServesHealthStatusAndGenerationThroughAFakeWorker) {
+  const std::string port_file = dir_ + "/port";
+  const std::string registry_socket = dir_ + "/sockets/registry.sock";
+  ChildOptions options;
+  options.argv = {kRouter,
+                  "--listen=127.0.0.1:0",
+                  "--vocab_size=1000",
+                  "--context_length=256",
+                  "--port_file=" + port_file,
+                  "--registry_socket=" + registry_socket};
+  options.stderr_path = dir_ + "/router.err";
+  absl::StatusOr<ChildProcess> router = ChildProcess::Start(std::move(options));
+  ASSERT_TRUE(router.ok()) << router.status();
+  ASSERT_TRUE(router->WaitForOutput("SERVING", std::chrono::seconds(30), true).ok())
+      << router->ReadStderr();
+  int port = 0;
+  std::ifstream(port_file) >> port;
+  ASSERT_GT(port, 0);
+  const std::string addr = absl::StrCat("--addr=127.0.0.1:", port);
+
+  struct stat st;
+  ASSERT_EQ(stat((dir_ + "/sockets").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+
+  RunResult health = Client({"health", addr});
+  EXPECT_EQ(health.exit_code, 0) << health.err;
+  EXPECT_EQ(health.out, "SERVING\n");
+
+  // No decode worker yet.
+  RunResult r = Client({"generate", addr, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "UNAVAILABLE: no live decode worker")) << r.err;
+
+  // Be a decode worker: serve decode.proto on a unix socket and register.
+  const std::string worker_socket = dir_ + "/sockets/echo.sock";
+  EchoDecodeService echo;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + worker_socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&echo);
+  std::unique_ptr<grpc::Server> worker = builder.BuildAndStart();
+  ASSERT_NE(worker, nullptr);
+  auto registry = rv1::WorkerRegistry::NewStub(
+      grpc::CreateChannel("unix:" + registry_socket, grpc::InsecureChannelCredentials()));
+  rv1::RegisterRequest reg;
+  reg.set_worker_id("echo-decode");
+  reg.set_kind(rv1::WORKER_KIND_DECODE);
+  reg.set_endpoint("unix:" + worker_socket);
+  reg.set_device("cpu");
+  reg.set_pid(getpid());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  rv1::RegisterResponse reg_response;
+  ASSERT_TRUE(registry->Register(&ctx, reg, &reg_response).ok());
+
+  RunResult status = Client({"status", addr});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+  EXPECT_TRUE(absl::StrContains(status.out, "echo-decode")) << status.out;
+  EXPECT_TRUE(absl::StrContains(status.out, "LIVE")) << status.out;
+
+  r = Client({"generate", addr, "--prompt-ids", "7,8,9", "--max-new-tokens", "4"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "7 8 9\n");
+  EXPECT_TRUE(absl::StrContains(r.err, "finish LENGTH")) << r.err;
+  EXPECT_TRUE(absl::StrContains(r.err, "path CHUNKED")) << r.err;
+
+  r = Client({"generate", addr, "--prompt-ids", "7,5000", "--max-new-tokens", "4"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "INVALID_ARGUMENT: prompt_token_ids[1]")) << r.err;
+
+  absl::StatusOr<int> code = router->Terminate(std::chrono::seconds(30));
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << router->ReadStderr();
+  worker->Shutdown();
+}
+
+}  // namespace
+}  // namespace hmoe::router

@@ -1,0 +1,233 @@
+// hmoe: command-line client of hmoe-router (proto/hmoe_v1.proto).
+//   hmoe generate --addr 127.0.0.1:50051 --prompt "Hello" --max-new-tokens 32
+//   hmoe generate --addr ... --prompt-ids 1,2,3 --max-new-tokens 8
+//   hmoe status --addr ...
+//   hmoe health --addr ...
+// Flags accept dashes or underscores. Streams tokens (text when the router has a tokenizer) to
+// stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path) on stderr.
+// Exit code: 0 on success, 1 on an RPC error (its status is printed), 2 on bad usage.
+
+#include <cstdio>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include <grpcpp/grpcpp.h>
+
+#include "proto/health.grpc.pb.h"
+#include "proto/hmoe_v1.grpc.pb.h"
+
+ABSL_FLAG(std::string, addr, "127.0.0.1:50051", "router address");
+ABSL_FLAG(std::string, prompt, "", "prompt text (needs a router started with --model)");
+ABSL_FLAG(std::string, prompt_ids, "", "prompt token ids, comma-separated");
+ABSL_FLAG(int, max_new_tokens, 32, "tokens to generate at most");
+ABSL_FLAG(double, temperature, 0, "0: greedy");
+ABSL_FLAG(int, top_k, 0, "0: off");
+ABSL_FLAG(double, top_p, 0, "0: off");
+ABSL_FLAG(double, min_p, 0, "0: off");
+ABSL_FLAG(double, repetition_penalty, 0, "0: off");
+ABSL_FLAG(double, presence_penalty, 0, "0: off");
+ABSL_FLAG(uint64_t, seed, 0, "sampling seed");
+ABSL_FLAG(std::vector<std::string>, stop, {}, "stop strings, comma-separated");
+ABSL_FLAG(std::string, hint, "auto", "path hint: auto, chunked, slp or dslp");
+ABSL_FLAG(std::string, request_id, "", "request id (default: the router picks one)");
+ABSL_FLAG(bool, ignore_eos, false, "do not stop at EOS");
+ABSL_FLAG(double, timeout_s, 300, "deadline of the call");
+
+namespace {
+
+namespace v1 = hmoe::v1;
+
+std::unique_ptr<grpc::ClientContext> Context() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(
+      absl::ToChronoTime(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_timeout_s))));
+  return ctx;
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "?";
+}
+
+int Fail(const std::string& what, const grpc::Status& s) {
+  std::cerr << what << ": " << CodeName(s.error_code()) << ": " << s.error_message() << "\n";
+  return 1;
+}
+
+int Health(const std::shared_ptr<grpc::Channel>& channel) {
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  const grpc::Status s = stub->Check(Context().get(), req, &resp);
+  if (!s.ok()) return Fail("health", s);
+  std::cout << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
+int Status(v1::Hmoe::Stub* stub) {
+  v1::ModelInfo info;
+  grpc::Status s = stub->GetModelInfo(Context().get(), {}, &info);
+  if (!s.ok()) return Fail("GetModelInfo", s);
+  v1::RouterStatus st;
+  s = stub->GetStatus(Context().get(), {}, &st);
+  if (!s.ok()) return Fail("GetStatus", s);
+  std::cout << absl::StrFormat(
+      "model %s: vocab %d, context %d, tokenizer %s, chunk threshold %d\n"
+      "requests: %d in flight (max %d), %d total, %d rejected, %d failed\n",
+      info.model().empty() ? "(token ids only)" : info.model(), info.vocab_size(),
+      info.context_length(), info.has_tokenizer() ? "yes" : "no", info.chunk_threshold_tokens(),
+      st.inflight(), st.max_inflight(), st.requests_total(), st.requests_rejected(),
+      st.requests_failed());
+  for (const v1::WorkerInfo& w : st.workers()) {
+    std::cout << absl::StrFormat(
+        "  %-16s %-8s %-9s %-8s inc %d  running %d/%d waiting %d  kv %d/%d  %.1f tok/s  "
+        "heartbeat %d ms ago  %s\n",
+        w.worker_id(), v1::WorkerKind_Name(w.kind()).substr(12),
+        v1::WorkerState_Name(w.state()).substr(13), w.device(), w.incarnation(), w.running(),
+        w.batch_size(), w.waiting(), w.kv_blocks_free(), w.kv_blocks_total(), w.tokens_per_second(),
+        w.ms_since_heartbeat(), w.endpoint());
+  }
+  return 0;
+}
+
+int Generate(v1::Hmoe::Stub* stub) {
+  v1::GenerateRequest req;
+  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const std::string prompt_ids = absl::GetFlag(FLAGS_prompt_ids);
+  if (prompt.empty() == prompt_ids.empty()) {
+    std::cerr << "give exactly one of --prompt or --prompt-ids\n";
+    return 2;
+  }
+  if (!prompt.empty()) {
+    req.set_prompt_text(prompt);
+  } else {
+    for (absl::string_view part : absl::StrSplit(prompt_ids, ',', absl::SkipWhitespace())) {
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(part, &id)) {
+        std::cerr << "--prompt-ids: not an integer: " << part << "\n";
+        return 2;
+      }
+      req.mutable_prompt_token_ids()->add_ids(id);
+    }
+  }
+  v1::ModelInfo info;
+  grpc::Status s = stub->GetModelInfo(Context().get(), {}, &info);
+  if (!s.ok()) return Fail("GetModelInfo", s);
+  req.set_detokenize(info.has_tokenizer());
+  req.set_request_id(absl::GetFlag(FLAGS_request_id));
+  req.set_max_new_tokens(absl::GetFlag(FLAGS_max_new_tokens));
+  req.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
+  v1::SamplingParams* sp = req.mutable_sampling();
+  sp->set_temperature(static_cast<float>(absl::GetFlag(FLAGS_temperature)));
+  sp->set_top_k(absl::GetFlag(FLAGS_top_k));
+  sp->set_top_p(static_cast<float>(absl::GetFlag(FLAGS_top_p)));
+  sp->set_min_p(static_cast<float>(absl::GetFlag(FLAGS_min_p)));
+  sp->set_repetition_penalty(static_cast<float>(absl::GetFlag(FLAGS_repetition_penalty)));
+  sp->set_presence_penalty(static_cast<float>(absl::GetFlag(FLAGS_presence_penalty)));
+  sp->set_seed(absl::GetFlag(FLAGS_seed));
+  for (const std::string& stop : absl::GetFlag(FLAGS_stop)) req.add_stop_strings(stop);
+  const std::string hint = absl::GetFlag(FLAGS_hint);
+  if (hint == "auto") {
+    req.set_path_hint(v1::PATH_HINT_AUTO);
+  } else if (hint == "chunked") {
+    req.set_path_hint(v1::PATH_HINT_CHUNKED);
+  } else if (hint == "slp") {
+    req.set_path_hint(v1::PATH_HINT_SLP);
+  } else if (hint == "dslp") {
+    req.set_path_hint(v1::PATH_HINT_DSLP);
+  } else {
+    std::cerr << "--hint: auto, chunked, slp or dslp\n";
+    return 2;
+  }
+
+  auto ctx = Context();
+  auto reader = stub->Generate(ctx.get(), req);
+  v1::GenerateResponse r;
+  v1::Finished finished;
+  int tokens = 0;
+  while (reader->Read(&r)) {
+    if (r.has_token()) {
+      ++tokens;
+      if (req.detokenize()) {
+        std::cout << r.token().text();
+      } else {
+        std::cout << (tokens > 1 ? " " : "") << r.token().token_id();
+      }
+      std::cout.flush();
+    } else if (r.has_finished()) {
+      finished = r.finished();
+      std::cout << finished.text();
+    }
+  }
+  std::cout << "\n";
+  s = reader->Finish();
+  if (!s.ok()) return Fail("generate", s);
+  const v1::Timing& t = finished.timing();
+  std::cerr << absl::StrFormat(
+      "finish %s, %d prompt + %d generated tokens, path %s (%d attempt%s), queue %.1f ms, "
+      "TTFT %.1f ms, TPOT %.1f ms, total %.1f ms\n",
+      v1::FinishReason_Name(finished.reason()).substr(14), finished.usage().prompt_tokens(),
+      finished.usage().completion_tokens(), v1::Path_Name(t.path()).substr(5), t.attempts(),
+      t.attempts() == 1 ? "" : "s", t.queue_us() / 1e3, t.ttft_us() / 1e3, t.tpot_us() / 1e3,
+      t.total_us() / 1e3);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Accept --max-new-tokens as well as --max_new_tokens.
+  std::vector<std::string> args(argv, argv + argc);
+  std::vector<char*> fixed;
+  for (std::string& a : args) {
+    if (a.rfind("--", 0) == 0) {
+      for (size_t i = 2; i < a.size() && a[i] != '='; ++i) {
+        if (a[i] == '-') a[i] = '_';
+      }
+    }
+    fixed.push_back(a.data());
+  }
+  absl::SetProgramUsageMessage(
+      "hmoe generate|status|health --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
+      "[--max-new-tokens N]");
+  std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
+  if (rest.size() != 2) {
+    std::cerr << "usage: hmoe generate|status|health [flags] (--help for flags)\n";
+    return 2;
+  }
+  const std::string command = rest[1];
+  auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_addr), grpc::InsecureChannelCredentials());
+  auto stub = v1::Hmoe::NewStub(channel);
+  if (command == "generate") return Generate(stub.get());
+  if (command == "status") return Status(stub.get());
+  if (command == "health") return Health(channel);
+  std::cerr << "unknown command " << command << "; use generate, status or health\n";
+  return 2;
+}
