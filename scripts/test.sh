@@ -21,18 +21,31 @@ log() { printf '\n==== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 "$ROOT/scripts/setup-deps.sh"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Paths relative to the checkout and no working-directory hash, so the build directories (and
+# fresh clones) share cache entries wherever their flags agree.
+export CCACHE_BASEDIR="$ROOT"
+export CCACHE_NOHASHDIR=1
 
-configure_and_build() {  # name, cmake args...
+# configure_and_build name [--target T ...] -- cmake args...
+configure_and_build() {
   local name="$1"
   shift
+  local targets=()
+  while [[ $# -gt 0 && "$1" != "--" ]]; do
+    targets+=("$1")
+    shift
+  done
+  shift  # --
   local dir="$BUILD_ROOT/$name"
   log "configure $name"
   cmake -S "$ROOT" -B "$dir" -G Ninja "$@" >"$dir.configure.log" 2>&1 || {
     cat "$dir.configure.log"
     return 1
   }
-  log "build $name"
-  cmake --build "$dir" -j "$JOBS"
+  log "build $name ${targets[*]}"
+  local t0=$SECONDS
+  cmake --build "$dir" -j "$JOBS" "${targets[@]}"
+  log "built $name in $((SECONDS - t0)) s"
 }
 
 run_ctest() {  # name, ctest args...
@@ -53,7 +66,7 @@ for config in "${CONFIGS[@]}"; do
       (cd "$ROOT" && clang-format --dry-run --Werror "${files[@]}")
       ;;
     cpu)
-      configure_and_build cpu -DHMOE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
+      configure_and_build cpu -- -DHMOE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
       run_ctest cpu
       ;;
     cuda)
@@ -61,20 +74,21 @@ for config in "${CONFIGS[@]}"; do
         echo "test.sh: no nvcc on this machine; the CUDA configuration cannot be built" >&2
         exit 1
       fi
-      configure_and_build cuda -DHMOE_CUDA=ON -DHMOE_BUILD_BENCHMARKS=OFF \
+      configure_and_build cuda -- -DHMOE_CUDA=ON -DHMOE_BUILD_BENCHMARKS=OFF \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo
       # The unit tests again, now linked with the CUDA backend; without a GPU the gpu-labelled
       # tests report SKIPPED with the reason.
       run_ctest cuda -L 'unit|gpu'
       ;;
     asan)
-      configure_and_build asan -DHMOE_CUDA=OFF -DHMOE_BUILD_BENCHMARKS=OFF \
+      configure_and_build asan --target hmoe_tests_unit --target hmoe_tests_threads -- \
+        -DHMOE_CUDA=OFF -DHMOE_BUILD_BENCHMARKS=OFF \
         -DCMAKE_BUILD_TYPE=Debug -DHMOE_SANITIZE=address,undefined
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
         run_ctest asan -L 'unit|threads'
       ;;
     tsan)
-      configure_and_build tsan -DHMOE_CUDA=OFF -DHMOE_BUILD_BENCHMARKS=OFF \
+      configure_and_build tsan --target hmoe_tests_threads -- -DHMOE_CUDA=OFF -DHMOE_BUILD_BENCHMARKS=OFF \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHMOE_SANITIZE=thread
       TSAN_OPTIONS=halt_on_error=1 run_ctest tsan -L threads --no-tests=ignore
       ;;

@@ -509,7 +509,10 @@ namespace {
 // The grouped expert path on `dev`: for every expert with tokens, gather its rows of x, run the
 // SwiGLU MLP on them (GEMM-sized), and add the weighted result into `out` (zeroed first).
 // `expert(e)` returns expert e's weights (and is called for every expert, in id order, so a
-// streaming provider advances); `shared` (nullable) runs on all rows with weight 1.
+// streaming provider advances); `shared` (nullable) runs on all rows with weight 1. Each output
+// row is summed from zero in a fixed order: shared experts first, then the routed experts in
+// increasing id order (ScatterAddRows adds in order). MoeExecutor (the decode path) uses the same
+// order, so a token's result does not depend on which path its step takes.
 struct GroupedBuffers {
   float* xg;       // [T, hidden]
   float* g;        // [T, width]

@@ -84,20 +84,21 @@ TEST(F32OpsTest, DotAxpyAndMatVecMatchPlainLoops) {
       double w = 0;
       for (int64_t i = 0; i < n; ++i) w += static_cast<double>(a[j * n + i]) * b[i];
       EXPECT_NEAR(four[j], w, 1e-4 * std::sqrt(n));
+      // Bitwise DotF32: a query's score must not depend on its group (batch-independent
+      // attention).
+      const float single = DotF32(a.data() + j * n, b.data(), n);
+      EXPECT_EQ(0, std::memcmp(&four[j], &single, sizeof(float))) << n << " " << j;
     }
     std::vector<float> y = a;
     AxpyF32(0.5f, b.data(), y.data(), n);
-    // FMA and mul+add round differently: compare to the F32 rounding of the operands.
-    for (int64_t i = 0; i < n; ++i) {
-      ASSERT_NEAR(y[i], a[i] + 0.5f * b[i], 1e-6f * (std::abs(a[i]) + std::abs(b[i])));
-    }
+    // Fused: exactly one rounding per element, in every variant.
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], std::fma(0.5f, b[i], a[i])) << i;
     y = a;
     const float coef[4] = {1.0f, -2.0f, 0.25f, 3.0f};
     Axpy4F32(coef, b.data(), y.data(), n, n);
     for (int j = 0; j < 4; ++j) {
       for (int64_t i = 0; i < n; ++i) {
-        ASSERT_NEAR(y[j * n + i], a[j * n + i] + coef[j] * b[i],
-                    1e-6f * (std::abs(a[j * n + i]) + std::abs(coef[j] * b[i])));
+        ASSERT_EQ(y[j * n + i], std::fma(coef[j], b[i], a[j * n + i])) << j << " " << i;
       }
     }
     // BF16 weights with F32 activations (exact conversion).

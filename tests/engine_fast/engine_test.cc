@@ -20,6 +20,7 @@
 #include "common/engine/engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -150,6 +151,78 @@ TEST(EngineTest, ChunkedPrefillEqualsOnePrefill) {
   EXPECT_LE(RelMaxDiff(rig->Run(chunked, std::span<const int32_t>(&next, 1)),
                        rig->Run(whole, std::span<const int32_t>(&next, 1))),
             0.01);
+}
+
+// A sequence's logits do not depend on the other sequences of its step, bitwise, for every FP8
+// kernel variant this CPU has: steps of fewer than grouped_moe_min_tokens tokens run the experts
+// through MoeExecutor, larger ones through the grouped path, and both must add each token's
+// expert outputs in the same order (a decode worker's greedy tokens would otherwise depend on
+// its other requests and on dual-batch splitting).
+TEST(EngineTest, SequenceResultsDoNotDependOnTheOtherSequencesOfTheStep) {
+  Model& model = Tiny();
+  int tested = 0;
+  for (cpu::CpuIsa isa :
+       {cpu::CpuIsa::kScalar, cpu::CpuIsa::kAvx2, cpu::CpuIsa::kAvx512, cpu::CpuIsa::kAvx512Bf16}) {
+    auto gemv = cpu::NewFp8Gemv(isa);
+    if (!gemv.ok()) continue;  // not supported by this CPU
+    ++tested;
+    SCOPED_TRACE(cpu::CpuIsaName(isa));
+    EngineOptions options;
+    options.fp8_gemv = gemv->get();
+    CpuDeviceOptions device_options;
+    device_options.fp8_gemv = gemv->get();
+    auto rig = Rig::Make(model, options, 64, 16, {}, device_options);
+    ASSERT_NE(rig, nullptr);
+    ASSERT_LT(10, options.grouped_moe_min_tokens);
+    const std::vector<int32_t> prompt = RandomTokens(10, 21, 1000);
+    const std::vector<int32_t> other = RandomTokens(20, 22, 1000);
+    const int32_t next = 33;
+    // Alone: 10 prompt tokens, then one decode token (both executor-sized steps).
+    KvSequence alone = rig->cache->NewSequence();
+    const std::vector<float> alone_prefill = rig->Run(alone, prompt);
+    const std::vector<float> alone_decode = rig->Run(alone, std::span<const int32_t>(&next, 1));
+    // Shared: the same inputs next to a 20-token prefill (grouped-path steps).
+    KvSequence shared = rig->cache->NewSequence();
+    KvSequence neighbour1 = rig->cache->NewSequence();
+    KvSequence neighbour2 = rig->cache->NewSequence();
+    std::vector<SequenceInput> step1 = {{&neighbour1, other, true}, {&shared, prompt, true}};
+    auto out1 = rig->engine->Forward(step1);
+    ASSERT_TRUE(out1.ok()) << out1.status();
+    std::vector<SequenceInput> step2 = {{&shared, std::span<const int32_t>(&next, 1), true},
+                                        {&neighbour2, other, false}};
+    auto out2 = rig->engine->Forward(step2);
+    ASSERT_TRUE(out2.ok()) << out2.status();
+    // A decode step shared with four other decoding sequences (attention groups several
+    // sequences' query rows).
+    const int32_t next2 = 34;
+    const std::vector<float> alone_decode2 = rig->Run(alone, std::span<const int32_t>(&next2, 1));
+    KvSequence neighbour3 = rig->cache->NewSequence();
+    KvSequence neighbour4 = rig->cache->NewSequence();
+    ASSERT_FALSE(rig->Run(neighbour3, other).empty());
+    ASSERT_FALSE(rig->Run(neighbour4, prompt).empty());
+    const int32_t others[4] = {1, 2, 3, 4};
+    std::vector<SequenceInput> step3 = {
+        {&neighbour1, std::span<const int32_t>(&others[0], 1), true},
+        {&neighbour2, std::span<const int32_t>(&others[1], 1), true},
+        {&shared, std::span<const int32_t>(&next2, 1), true},
+        {&neighbour3, std::span<const int32_t>(&others[2], 1), true},
+        {&neighbour4, std::span<const int32_t>(&others[3], 1), true}};
+    auto out3 = rig->engine->Forward(step3);
+    ASSERT_TRUE(out3.ok()) << out3.status();
+    ASSERT_EQ((*out1)[1].size(), alone_prefill.size());
+    ASSERT_EQ((*out2)[0].size(), alone_decode.size());
+    ASSERT_EQ((*out3)[2].size(), alone_decode2.size());
+    EXPECT_EQ(0, std::memcmp((*out3)[2].data(), alone_decode2.data(),
+                             alone_decode2.size() * sizeof(float)))
+        << "grouped decode logits differ, max abs diff " << MaxAbsDiff((*out3)[2], alone_decode2);
+    EXPECT_EQ(0, std::memcmp((*out1)[1].data(), alone_prefill.data(),
+                             alone_prefill.size() * sizeof(float)))
+        << "prefill logits differ, max abs diff " << MaxAbsDiff((*out1)[1], alone_prefill);
+    EXPECT_EQ(
+        0, std::memcmp((*out2)[0].data(), alone_decode.data(), alone_decode.size() * sizeof(float)))
+        << "decode logits differ, max abs diff " << MaxAbsDiff((*out2)[0], alone_decode);
+  }
+  EXPECT_GE(tested, 1);
 }
 
 TEST(EngineTest, LongPromptIsSplitIntoStepsWithBoundedScratch) {

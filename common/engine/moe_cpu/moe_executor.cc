@@ -1,6 +1,7 @@
 #include "common/engine/moe_cpu/moe_executor.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <numa.h>
 
 #include "common/base/logging.h"
+#include "common/kernels/cpu/f32_ops.h"
 #include "common/model/dtype.h"
 
 namespace hmoe {
@@ -263,7 +265,8 @@ void MoeExecutor::Impl::Reduce(int thread, int num_tokens, std::span<float> out)
     for (const auto& [pair, weight] : token_pairs[t]) {
       for (int s = 0; s < num_nodes; ++s) {
         const float* p = Partial(s, pair);
-        for (int64_t c = c0; c < c1; ++c) o[c] += weight * p[c];
+        // The same fused update as the grouped path's ScatterAddRows (bitwise equal results).
+        cpu::AxpyF32(weight, p + c0, o + c0, c1 - c0);
       }
     }
   }
@@ -360,16 +363,28 @@ absl::Status MoeExecutor::Forward(const MoeLayerWeights& layer, std::span<const 
   }
   HMOE_CHECK(pairs <= im.max_pairs);
   for (int64_t t = 0; t < num_tokens; ++t) {
-    // Summation order per token: its routed experts in routing order, then the shared ones.
+    // Summation order per token: the shared experts, then its routed experts in increasing id
+    // order. The engine's grouped expert path (common/engine/engine.cc) adds in the same order,
+    // so a token's result does not depend on which path its step takes (with one part per
+    // expert: more parts add each expert's partial sums separately).
+    for (size_t i = ids.size(); i < im.slots.size(); ++i) {
+      im.token_pairs[t].emplace_back(im.slots[i].pair + t, 1.0f);
+    }
+    // Insertion sort of the (at most kMaxTopK) choices by expert id.
+    std::array<std::pair<int32_t, float>, kMaxTopK> chosen;
     for (int j = 0; j < routing.top_k; ++j) {
-      const int32_t id = routing.ids[t * routing.top_k + j];
+      std::pair<int32_t, float> c(routing.ids[t * routing.top_k + j],
+                                  routing.weights[t * routing.top_k + j]);
+      int i = j;
+      for (; i > 0 && chosen[i - 1].first > c.first; --i) chosen[i] = chosen[i - 1];
+      chosen[i] = c;
+    }
+    for (int j = 0; j < routing.top_k; ++j) {
+      const int32_t id = chosen[j].first;
       const Slot& slot = im.slots[std::lower_bound(ids.begin(), ids.end(), id) - ids.begin()];
       int index = 0;
       while (slot.tokens[index] != t) ++index;
-      im.token_pairs[t].emplace_back(slot.pair + index, routing.weights[t * routing.top_k + j]);
-    }
-    for (size_t i = ids.size(); i < im.slots.size(); ++i) {
-      im.token_pairs[t].emplace_back(im.slots[i].pair + t, 1.0f);
+      im.token_pairs[t].emplace_back(slot.pair + index, chosen[j].second);
     }
   }
   // Activations per slot: the packed batch itself when the slot has every token in order (the

@@ -16,7 +16,10 @@
 //      per-node countdown replaces a global barrier between the two: down tasks of expert e are
 //      queued after the gate/up tasks of the next expert and wait only for e's own gate/up.
 //   2. The router-weighted reduction of the partial outputs, split over all threads by columns.
-// Results do not depend on thread timing (each output element has one fixed summation order).
+// Results do not depend on thread timing: each output element has one fixed summation order,
+// starting from zero: the shared experts, then the token's routed experts in increasing id order,
+// each expert's parts in node order. That is also the order of the engine's grouped expert path,
+// so with one part per expert a token's result is bitwise the same on either path.
 
 #include <cstdint>
 #include <memory>

@@ -1,5 +1,6 @@
 #include "common/kernels/cpu/f32_ops.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -40,7 +41,8 @@ void Dot4F32(const float* q, int64_t q_stride, const float* k, int64_t n, float*
 
 void AxpyF32(float a, const float* x, float* y, int64_t n) {
   if (kUseAvx512) return internal::AxpyF32Avx512(a, x, y, n);
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  // Fused like the AVX-512 variant: every variant rounds each update once, identically.
+  for (int64_t i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
 }
 
 void Axpy4F32(const float* a, const float* x, float* y, int64_t y_stride, int64_t n) {

@@ -13,11 +13,12 @@ namespace hmoe::cpu {
 // sum_i a[i] * b[i].
 float DotF32(const float* a, const float* b, int64_t n);
 // out[j] = sum_i q[j * q_stride + i] * k[i] for j < 4: four queries against one key, sharing the
-// key's loads.
+// key's loads. out[j] is bitwise DotF32(q + j * q_stride, k, n).
 void Dot4F32(const float* q, int64_t q_stride, const float* k, int64_t n, float* out);
-// y[i] += a * x[i].
+// y[i] = fma(a, x[i], y[i]): one rounding per update, bitwise the same in every variant (the
+// engine's expert paths rely on it for batch-independent results).
 void AxpyF32(float a, const float* x, float* y, int64_t n);
-// y[j * y_stride + i] += a[j] * x[i] for j < 4.
+// y[j * y_stride + i] = fma(a[j], x[i], y[j * y_stride + i]) for j < 4.
 void Axpy4F32(const float* a, const float* x, float* y, int64_t y_stride, int64_t n);
 // y[t * y_stride + (m - m_begin)] = sum_c w[m * row_stride + c] * x[t * x_stride + c] for t < n,
 // m in [m_begin, m_end), c < cols.
