@@ -7,6 +7,7 @@
 //
 // Exit codes: 0 after SIGTERM/SIGINT (also during loading), 1 on any error, 2 on bad flags.
 
+#include <malloc.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -170,6 +171,10 @@ int Run(absl::Time process_start) {
     HMOE_LOG(ERROR) << loaded.message();
     return 1;
   }
+  // The load's buffers (checkpoint index, the loader threads' read buffers and malloc arenas)
+  // are freed by now: hand their pages back, so the long-running daemon holds just its service
+  // (weightd plus its workers should cost one copy of the weights, docs/weightd.md).
+  ::malloc_trim(0);
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   HMOE_LOG(INFO) << "SERVING instance " << options.instance;

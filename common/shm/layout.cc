@@ -60,7 +60,7 @@ std::pair<int64_t, int64_t> SliceRange(int64_t n, int64_t block, uint32_t num_sl
   return {std::min(b0 * block, n), std::min(b1 * block, n)};
 }
 
-uint64_t PlacementAlignment(uint64_t size_bytes) { return size_bytes < (64u << 10) ? 64 : 4096; }
+uint64_t PlacementAlignment(uint64_t /*size_bytes*/) { return 64; }
 
 absl::StatusOr<Manifest> PlanLayout(const std::vector<TensorIndexEntry>& index,
                                     const LayoutOptions& options) {

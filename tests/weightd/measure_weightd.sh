@@ -14,6 +14,7 @@ shift
 MODEL=${1:?usage: $0 BUILD_DIR MODEL_DIR [MODEL_DIR...]}
 WEIGHTD=$BUILD/weightd/hmoe-weightd
 INSPECT=$BUILD/tools/hmoe-weightd-inspect
+PROBE=$BUILD/tests/weightd/hmoe_weightd_attach_probe
 export HMOE_RUNTIME_DIR=$(mktemp -d /tmp/hmoe-measure.XXXXXX)
 WORK=$(mktemp -d /tmp/hmoe-measure-work.XXXXXX)
 INSTANCE=measure-$$
@@ -119,13 +120,13 @@ fi
 
 # ---------------------------------------------------------------- PSS
 echo
-echo "== proportional set size: weightd + 3 workers (hmoe-weightd-inspect --touch --hold) that read every weight byte (4 KiB pages)"
+echo "== proportional set size: weightd + 3 attached processes (hmoe_weightd_attach_probe) that read every weight byte (4 KiB pages)"
 for m in "$@"; do
 echo "  model $m"
 start_weightd "$m" --hugepages off
 workers=()
 for i in 1 2 3; do
-  "$INSPECT" --instance "$INSTANCE" --touch --hold > "$WORK/w$i.out" &
+  "$PROBE" "$INSTANCE" > "$WORK/w$i.out" &
   workers+=($!)
   PIDS+=($!)
 done
@@ -154,8 +155,10 @@ for f in sorted(os.listdir(d)):
 print(total)
 PY
 )
-printf "  sum Pss %d kB = %.3f x checkpoint tensor bytes (%d); weight segments alone %.3f x\n" \
-  "$total" "$(echo "$total * 1024 / $tensor_total" | bc -l)" "$tensor_total" \
+checkpoint_total=$(du -sb "$m" | cut -f1)
+printf "  sum Pss %d kB = %.4f x checkpoint bytes (%d, every file of the directory) = %.4f x tensor bytes (%d); weight segments alone %.4f x tensor bytes\n" \
+  "$total" "$(echo "$total * 1024 / $checkpoint_total" | bc -l)" "$checkpoint_total" \
+  "$(echo "$total * 1024 / $tensor_total" | bc -l)" "$tensor_total" \
   "$(echo "$shm * 1024 / $tensor_total" | bc -l)"
 for p in "${workers[@]}"; do kill -TERM "$p"; wait "$p" || true; done
 stop_weightd
