@@ -42,7 +42,9 @@ ExpertMatrix ClassifyExpertTensor(std::string_view name);
 // possible (slice k gets blocks [k*nb/S, (k+1)*nb/S)). A slice may be empty when nb < S.
 std::pair<int64_t, int64_t> SliceRange(int64_t n, int64_t block, uint32_t num_slices, uint32_t k);
 
-// Byte alignment of a tensor or part of `size_bytes` in its segment: 64 below 64 KiB, else 4 KiB.
+// Byte alignment of a tensor or part of `size_bytes` in its segment: 64 (a cache line, enough for
+// every kernel). Nothing needs page alignment: NUMA binding, hugepages and cudaHostRegister work
+// per segment, and 4 KiB alignment wasted ~0.7 % of a small model's memory in padding.
 uint64_t PlacementAlignment(uint64_t size_bytes);
 
 // Plans segments and tensor placement. Offsets are assigned in the order of `index` (weightd passes
