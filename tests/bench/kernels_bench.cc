@@ -386,28 +386,27 @@ void RegisterAll() {
           ->Unit(benchmark::kMillisecond);
     }
   }
-  // Prefetch tuning: distance (bytes beyond the next tile of rows; 0 = no software prefetch),
-  // then layout (linear / per row) and instruction at two distances.
+  // Prefetch tuning: distance (bytes beyond the next tile of rows; 0 = no software prefetch)
+  // with the default instruction (prefetcht1), per row and as one linear stream; then the other
+  // instructions at the default distance.
   struct Tuning {
     std::string name;
     cpu::Fp8GemvOptions options;
   };
   std::vector<Tuning> tunings;
-  for (int64_t pf : {0, 256, 512, 1024, 2048, 4096}) {
-    cpu::Fp8GemvOptions o;
-    o.prefetch_bytes = pf;
-    tunings.push_back({absl::StrCat("prefetch:", pf), o});
+  for (bool linear : {false, true}) {
+    for (int64_t pf : {0, 512, 1024, 2048, 4096, 8192}) {
+      if (linear && pf == 0) continue;
+      cpu::Fp8GemvOptions o;
+      o.prefetch_bytes = pf;
+      o.prefetch_linear = linear;
+      tunings.push_back({absl::StrCat("prefetch:", pf, linear ? "/linear" : ""), o});
+    }
   }
-  {
+  for (int hint : {0, 2}) {
     cpu::Fp8GemvOptions o;
-    o.prefetch_bytes = 1024;
-    o.prefetch_linear = true;
-    tunings.push_back({"prefetch:1024/linear", o});
-    o.prefetch_linear = false;
-    o.prefetch_hint = 1;
-    tunings.push_back({"prefetch:1024/hint:t1", o});
-    o.prefetch_hint = 2;
-    tunings.push_back({"prefetch:1024/hint:nta", o});
+    o.prefetch_hint = hint;
+    tunings.push_back({hint == 0 ? "hint:t0" : "hint:nta", o});
   }
   {
     cpu::Fp8GemvOptions o;
