@@ -27,6 +27,9 @@ namespace hmoe::cpu::internal {
 namespace {
 
 #define HMOE_BF16_INLINE inline __attribute__((always_inline))
+// Fully unrolls the loops over a tile's rows and tokens so the accumulators stay in registers
+// (GCC 12 otherwise keeps the arrays on the stack; see fp8_gemv_avx512_impl.h).
+#define HMOE_BF16_UNROLL _Pragma("GCC unroll 16")
 
 // Prefetch distance beyond the start of the next tile of rows, in bytes.
 constexpr int64_t kPrefetchBytes = 1024;
@@ -67,19 +70,24 @@ HMOE_BF16_INLINE __m512 Dot(__m512 acc, __m512i w, __m512i x) {
 template <int R, int N>
 __attribute__((noinline)) void Tile(const Args& a) {
   __m512 acc[R][N];
+  HMOE_BF16_UNROLL
   for (int r = 0; r < R; ++r) {
+    HMOE_BF16_UNROLL
     for (int t = 0; t < N; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   const int64_t full = a.k / 32;
   for (int64_t c = 0; c < full; ++c) {
+    HMOE_BF16_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512i wv = _mm512_loadu_si512(a.w + r * a.row_bytes + c * 64);
+      HMOE_BF16_UNROLL
       for (int t = 0; t < N; ++t) {
         const __m512i xv = _mm512_loadu_si512(a.x + t * a.x_stride + c * 64);
         acc[r][t] = Dot(acc[r][t], wv, xv);
       }
     }
     const std::byte* pf = a.pf + c * R * 64;
+    HMOE_BF16_UNROLL
     for (int r = 0; r < R; ++r) {
       if (pf + r * 64 < a.pf_end)
         _mm_prefetch(reinterpret_cast<const char*>(pf + r * 64), _MM_HINT_T0);
@@ -88,15 +96,19 @@ __attribute__((noinline)) void Tile(const Args& a) {
   const int64_t rest = a.k - full * 32;
   if (rest > 0) {
     const __mmask32 mask = static_cast<__mmask32>((1ull << rest) - 1);
+    HMOE_BF16_UNROLL
     for (int r = 0; r < R; ++r) {
       const __m512i wv = _mm512_maskz_loadu_epi16(mask, a.w + r * a.row_bytes + full * 64);
+      HMOE_BF16_UNROLL
       for (int t = 0; t < N; ++t) {
         const __m512i xv = _mm512_loadu_si512(a.x + t * a.x_stride + full * 64);
         acc[r][t] = Dot(acc[r][t], wv, xv);
       }
     }
   }
+  HMOE_BF16_UNROLL
   for (int r = 0; r < R; ++r) {
+    HMOE_BF16_UNROLL
     for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = ReduceAdd(acc[r][t]);
   }
 }
@@ -165,3 +177,4 @@ class Avx512Bf16Gemv final : public Bf16Gemv {
 }  // namespace hmoe::cpu::internal
 
 #undef HMOE_BF16_INLINE
+#undef HMOE_BF16_UNROLL
