@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -224,73 +226,131 @@ class DecodeWorkerTest : public ::testing::Test {
   }
   void SetUp() override { ASSERT_NE(g_shared->reference, nullptr); }
 
-  static void ExpectAgreement(const std::vector<int32_t>& prompt, const Stream& s,
-                              const std::string& what) {
+  // The checkpoint a test runs: the worker's weight flags and the reference to agree with.
+  struct Model {
+    std::vector<std::string> weights;  // e.g. {"--model", dir}
+    const reference::ReferenceModel* reference = nullptr;
+  };
+  static Model Tiny() { return {{"--model", g_shared->model}, g_shared->reference.get()}; }
+  // The `small` checkpoint named by HMOE_SMALL_MODEL_DIR (hmoe-make-model --preset small), or
+  // nullopt when unset. Its FP32 reference is slow (minutes per test), so these cases run only
+  // when asked for, e.g. for an acceptance measurement:
+  //   HMOE_SMALL_MODEL_DIR=out/small hmoe_decode_worker_integration_test --gtest_filter='*Small*'
+  static std::optional<Model> Small() {
+    static const std::optional<Model> small = []() -> std::optional<Model> {
+      const char* dir = std::getenv("HMOE_SMALL_MODEL_DIR");
+      if (dir == nullptr || *dir == 0) return std::nullopt;
+      static std::unique_ptr<Checkpoint> checkpoint;
+      static std::unique_ptr<reference::ReferenceModel> reference;
+      auto ckpt = Checkpoint::Open(dir);
+      if (!ckpt.ok()) {
+        ADD_FAILURE() << "HMOE_SMALL_MODEL_DIR: " << ckpt.status();
+        return std::nullopt;
+      }
+      checkpoint = *std::move(ckpt);
+      auto ref = reference::ReferenceModel::Create(checkpoint->config(), *checkpoint);
+      if (!ref.ok()) {
+        ADD_FAILURE() << "HMOE_SMALL_MODEL_DIR: " << ref.status();
+        return std::nullopt;
+      }
+      reference = *std::move(ref);
+      return Model{{"--model", dir}, reference.get()};
+    }();
+    return small;
+  }
+
+  static void ExpectAgreement(const Model& model, const std::vector<int32_t>& prompt,
+                              const Stream& s, const std::string& what) {
     ASSERT_TRUE(s.status.ok()) << what << ": " << s.status.error_message();
     ASSERT_TRUE(s.finished) << what;
     EXPECT_EQ(s.finish.reason(), v1::FINISH_REASON_LENGTH) << what;
     ASSERT_EQ(s.tokens.size(), static_cast<size_t>(kTokens)) << what;
-    auto a = CheckAgreement(*g_shared->reference, prompt, s.tokens);
+    auto a = CheckAgreement(*model.reference, prompt, s.tokens);
     ASSERT_TRUE(a.ok()) << a.status();
     EXPECT_TRUE(a->ok()) << what << ":" << a->detail;
     ::testing::Test::RecordProperty(what + "_divergences", a->divergences);
   }
+
+  // One greedy request of 20 prompt tokens (3 prefill chunks), 64 new tokens.
+  static void BatchOfOneAgreesWithReference(const Model& model, const std::string& tag) {
+    auto w = Worker::Start(tag, {"--kv-blocks", "64", "--chunk-size", "8"}, true, model.weights);
+    ASSERT_NE(w, nullptr);
+    const std::vector<int32_t> prompt = Prompt(20, 1);
+    Stream s = w->Admit(GreedyRequest("one", prompt, kTokens));
+    ExpectAgreement(model, prompt, s, tag);
+    EXPECT_EQ(s.finish.usage().prompt_tokens(), 20);
+    EXPECT_EQ(s.finish.usage().completion_tokens(), kTokens);
+    EXPECT_GT(s.finish.timing().total_us(), 0);
+    const v1::WorkerStatus st = w->Status();
+    EXPECT_EQ(st.prompt_tokens_prefilled(), 20);
+    EXPECT_EQ(st.tokens_generated(), kTokens);
+    EXPECT_EQ(st.kv_blocks_total(), 64);
+    EXPECT_EQ(st.batch_size(), 6);
+    EXPECT_FALSE(st.dual_batch());  // --dual-batch auto: off with CPU attention
+    EXPECT_EQ(w->Terminate(), 0);
+  }
+
+  // Six concurrent greedy requests of different lengths, with and without the dual-batch overlap:
+  // each agrees with the reference, and the overlap changes no token (the engine's results do not
+  // depend on the composition of a step).
+  static void MixedBatchOfSixAgreesWithReference(const Model& model, const std::string& tag) {
+    const std::vector<int> lengths = {3, 10, 17, 30, 45, 70};
+    std::vector<std::vector<int32_t>> tokens[2];
+    for (int dual = 0; dual < 2; ++dual) {
+      auto w = Worker::Start(absl::StrCat(tag, dual),
+                             {"--kv-blocks", "128", "--chunk-size", "16", "--batch-size", "6",
+                              "--dual-batch", dual == 1 ? "on" : "off"},
+                             true, model.weights);
+      ASSERT_NE(w, nullptr);
+      std::vector<Stream> streams(lengths.size());
+      {
+        std::vector<std::jthread> clients;
+        for (size_t i = 0; i < lengths.size(); ++i) {
+          clients.emplace_back([&, i] {
+            streams[i] = w->Admit(GreedyRequest(absl::StrCat("m", i),
+                                                Prompt(lengths[i], static_cast<int>(i)), kTokens));
+          });
+        }
+      }
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        ExpectAgreement(model, Prompt(lengths[i], static_cast<int>(i)), streams[i],
+                        absl::StrCat(tag, "_dual", dual, "_request", i));
+        tokens[dual].push_back(streams[i].tokens);
+      }
+      const v1::WorkerStatus st = w->Status();
+      EXPECT_EQ(st.requests_finished(), 6);
+      EXPECT_GE(st.max_running_seen(), 2);  // requests shared steps
+      EXPECT_LE(st.max_running_seen(), 6);
+      if (dual == 1) {
+        EXPECT_GT(st.dual_batch_steps(), 0);
+      } else {
+        EXPECT_EQ(st.dual_batch_steps(), 0);
+      }
+      EXPECT_EQ(st.kv_blocks_free(), st.kv_blocks_total());
+      EXPECT_EQ(w->Terminate(), 0);
+    }
+    EXPECT_EQ(tokens[0], tokens[1]) << "dual-batch overlap changed tokens";
+  }
 };
 
 TEST_F(DecodeWorkerTest, GreedyBatchOfOneAgreesWithReference) {
-  auto w = Worker::Start("b1", {"--kv-blocks", "64", "--chunk-size", "8"});
-  ASSERT_NE(w, nullptr);
-  const std::vector<int32_t> prompt = Prompt(20, 1);  // 3 prefill chunks
-  Stream s = w->Admit(GreedyRequest("one", prompt, kTokens));
-  ExpectAgreement(prompt, s, "batch1");
-  EXPECT_EQ(s.finish.usage().prompt_tokens(), 20);
-  EXPECT_EQ(s.finish.usage().completion_tokens(), kTokens);
-  EXPECT_GT(s.finish.timing().total_us(), 0);
-  const v1::WorkerStatus st = w->Status();
-  EXPECT_EQ(st.prompt_tokens_prefilled(), 20);
-  EXPECT_EQ(st.tokens_generated(), kTokens);
-  EXPECT_EQ(st.kv_blocks_total(), 64);
-  EXPECT_EQ(st.batch_size(), 6);
-  EXPECT_FALSE(st.dual_batch());  // --dual-batch auto: off with CPU attention
-  EXPECT_EQ(w->Terminate(), 0);
+  BatchOfOneAgreesWithReference(Tiny(), "batch1");
 }
 
 TEST_F(DecodeWorkerTest, MixedBatchOfSixAgreesWithReferenceDualBatchOnAndOff) {
-  const std::vector<int> lengths = {3, 10, 17, 30, 45, 70};
-  std::vector<std::vector<int32_t>> tokens[2];
-  for (int dual = 0; dual < 2; ++dual) {
-    auto w = Worker::Start(absl::StrCat("mix", dual),
-                           {"--kv-blocks", "128", "--chunk-size", "16", "--batch-size", "6",
-                            "--dual-batch", dual == 1 ? "on" : "off"});
-    ASSERT_NE(w, nullptr);
-    std::vector<Stream> streams(lengths.size());
-    {
-      std::vector<std::jthread> clients;
-      for (size_t i = 0; i < lengths.size(); ++i) {
-        clients.emplace_back([&, i] {
-          streams[i] = w->Admit(GreedyRequest(absl::StrCat("m", i),
-                                              Prompt(lengths[i], static_cast<int>(i)), kTokens));
-        });
-      }
-    }
-    for (size_t i = 0; i < lengths.size(); ++i) {
-      ExpectAgreement(Prompt(lengths[i], static_cast<int>(i)), streams[i],
-                      absl::StrCat("dual", dual, "_request", i));
-      tokens[dual].push_back(streams[i].tokens);
-    }
-    const v1::WorkerStatus st = w->Status();
-    EXPECT_EQ(st.requests_finished(), 6);
-    EXPECT_GE(st.max_running_seen(), 2);  // requests shared steps
-    EXPECT_LE(st.max_running_seen(), 6);
-    if (dual == 1) {
-      EXPECT_GT(st.dual_batch_steps(), 0);
-    } else {
-      EXPECT_EQ(st.dual_batch_steps(), 0);
-    }
-    EXPECT_EQ(st.kv_blocks_free(), st.kv_blocks_total());
-    EXPECT_EQ(w->Terminate(), 0);
-  }
-  EXPECT_EQ(tokens[0], tokens[1]) << "dual-batch overlap changed tokens";
+  MixedBatchOfSixAgreesWithReference(Tiny(), "mix");
+}
+
+TEST_F(DecodeWorkerTest, SmallCheckpointGreedyBatchOfOneAgreesWithReference) {
+  const std::optional<Model> small = Small();
+  if (!small.has_value()) GTEST_SKIP() << "set HMOE_SMALL_MODEL_DIR to a `small` checkpoint";
+  BatchOfOneAgreesWithReference(*small, "small_batch1");
+}
+
+TEST_F(DecodeWorkerTest, SmallCheckpointMixedBatchOfSixAgreesWithReferenceDualBatchOnAndOff) {
+  const std::optional<Model> small = Small();
+  if (!small.has_value()) GTEST_SKIP() << "set HMOE_SMALL_MODEL_DIR to a `small` checkpoint";
+  MixedBatchOfSixAgreesWithReference(*small, "small_mix");
 }
 
 TEST_F(DecodeWorkerTest, CancelAndBrokenStreamsFreeTheKvCache) {
