@@ -416,7 +416,33 @@ class Avx512Fp8Gemv final : public Fp8Gemv {
   void Pack(const float* x, int64_t k, int64_t k_begin, int64_t k_end,
             std::byte* packed) const override {
     const int64_t padded_end = k_end == k ? (k + kChunk - 1) / kChunk * kChunk : k_end;
-    for (int64_t i = k_begin; i < padded_end; ++i) {
+    int64_t i = k_begin;
+#if HMOE_FP8_AVX512_BF16
+    // Whole 64-column chunks: vcvtne2ps2bf16 (round to nearest even, like ToBf16; it flushes F32
+    // subnormals to zero, which vdpbf16ps would do with their BF16 anyway), then two word
+    // permutes into the A/B order of PackedPosition.
+    {
+      alignas(64) static constexpr uint16_t kIndexA[32] = {
+          0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23,
+          32, 33, 34, 35, 36, 37, 38, 39, 48, 49, 50, 51, 52, 53, 54, 55};
+      alignas(64) static constexpr uint16_t kIndexB[32] = {
+          8,  9,  10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31,
+          40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
+      const __m512i index_a = _mm512_load_si512(kIndexA);
+      const __m512i index_b = _mm512_load_si512(kIndexB);
+      for (; i + kChunk <= k_end; i += kChunk) {
+        const float* xi = x + (i - k_begin);
+        const __m512i p =
+            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xi + 16), _mm512_loadu_ps(xi));
+        const __m512i q =
+            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xi + 48), _mm512_loadu_ps(xi + 32));
+        std::byte* out = packed + i / kChunk * kPackedChunkBytes;
+        _mm512_storeu_si512(out, _mm512_permutex2var_epi16(p, index_a, q));
+        _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi16(p, index_b, q));
+      }
+    }
+#endif
+    for (; i < padded_end; ++i) {
       const int64_t pos = (i - i % kChunk) + PackedPosition(i % kChunk);
       const uint16_t b = i < k_end ? ToBf16(x[i - k_begin]) : 0;
       if constexpr (kBf16Dot) {
