@@ -17,6 +17,7 @@
 // prints a note and exits 0.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,8 @@
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
 #include "common/model/tensor_map.h"
+#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/step_runner.h"
 #include "tests/bench/bench_util.h"
 
 namespace hmoe {
@@ -117,7 +120,15 @@ struct Setup {
   std::map<int, std::unique_ptr<ResidentWeights>> weights;
   std::map<int, std::unique_ptr<Engine>> engines;
   std::map<int, std::unique_ptr<KvCache>> caches;
+  // The decode worker's own step path (EngineStepEngine + StepRunner), for dual batch on/off.
+  std::map<int, std::unique_ptr<Device>> step_devices;
+  std::map<int, std::unique_ptr<decode::EngineStepEngine>> step_engines;
 };
+
+// Expert bytes the step engines' MoE layers read, counted from their routing (every MoE layer of
+// every micro-batch reports the experts its tokens chose: those experts' bytes, once each, plus
+// the shared experts).
+std::atomic<int64_t> g_step_expert_bytes{0};
 
 Setup& GetSetup() {
   static Setup* const setup = [] {
@@ -159,6 +170,42 @@ Engine& EngineForThreads(int threads) {
     s.caches[threads] = std::move(*cache);
   }
   return *s.engines[threads];
+}
+
+decode::EngineStepEngine& StepEngineForThreads(int threads) {
+  Setup& s = GetSetup();
+  if (s.step_engines.count(threads) == 0) {
+    CpuWorkerPool& pool = bench::PoolForThreads(threads);
+    CpuDeviceOptions device_options;
+    device_options.pool = &pool;
+    s.step_devices[threads] = NewCpuDevice(device_options);
+    const WeightSource& source =
+        s.copy != nullptr ? static_cast<const WeightSource&>(*s.copy) : *s.checkpoint;
+    const ModelConfig& c = s.checkpoint->config();
+    const int64_t h = c.hidden_size;
+    const int64_t expert_bytes =
+        2 * Fp8Bytes(c.moe_intermediate_size, h) + Fp8Bytes(h, c.moe_intermediate_size);
+    const int64_t shared_bytes = c.n_shared_experts * expert_bytes;
+    decode::EngineStepEngineOptions options;
+    options.max_step_tokens = 64;
+    options.max_step_sequences = 8;
+    options.kv_blocks = 64;
+    options.kv_block_tokens = 64;
+    options.engine.routing_observer = [expert_bytes, shared_bytes](
+                                          int64_t, int64_t n, int64_t top_k, const int32_t* ids) {
+      std::vector<int32_t> distinct(ids, ids + n * top_k);
+      std::sort(distinct.begin(), distinct.end());
+      const int64_t unique = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
+      // Relaxed: a counter read after the step's threads have synchronized with this one.
+      g_step_expert_bytes.fetch_add(unique * expert_bytes + shared_bytes,
+                                    std::memory_order_relaxed);
+    };
+    auto engine =
+        decode::EngineStepEngine::Create(c, source, *s.step_devices[threads], pool, options);
+    HMOE_CHECK_OK(engine.status());
+    s.step_engines[threads] = std::move(*engine);
+  }
+  return *s.step_engines[threads];
 }
 
 double AdjacentBandwidth(int threads) {
@@ -245,6 +292,74 @@ void BM_Decode(benchmark::State& state) {
   state.counters["head_ms"] = phases.head_seconds / steps * 1e3;
 }
 
+// Decode steps through the decode worker's StepRunner, as one batch or as two overlapped
+// micro-batches (dual batch, paper §3.3.1): tokens/s and the fraction of the bandwidth bound,
+// with the bytes counted per micro-batch (each reads the experts its own tokens chose).
+void BM_DecodeStepRunner(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const int batch = static_cast<int>(state.range(1));
+  const bool dual = state.range(2) != 0;
+  decode::EngineStepEngine& engine = StepEngineForThreads(threads);
+  const ModelConfig& c = engine.engine().config();
+  auto runner = decode::StepRunner::Create(engine, dual);
+  HMOE_CHECK_OK(runner.status());
+  std::vector<std::unique_ptr<decode::StepSequence>> seqs;
+  std::vector<int32_t> next(batch);
+  std::vector<std::vector<int32_t>> prompts(batch);
+  for (int b = 0; b < batch; ++b) {
+    auto seq = engine.NewSequence(64 + 8 + 3 * b + g_steps);
+    HMOE_CHECK_OK(seq.status());
+    seqs.push_back(std::move(*seq));
+    for (int i = 0; i < 8 + 3 * b; ++i) {
+      prompts[b].push_back(static_cast<int32_t>((b * 131 + i * 17) % 4000));
+    }
+    decode::StepInput in{seqs[b].get(), prompts[b], true};
+    std::vector<decode::StepResult> out =
+        (*runner)->Run(std::span<const decode::StepInput>(&in, 1));
+    HMOE_CHECK_OK(out[0].status);
+    next[b] = static_cast<int32_t>(std::max_element(out[0].logits.begin(), out[0].logits.end()) -
+                                   out[0].logits.begin());
+  }
+  std::vector<decode::StepInput> inputs(batch);
+  CpuWorkerPool& pool = bench::PoolForThreads(threads);
+  const std::byte* probe = GetSetup().probe->data();
+  double probe_sum = 0;
+  double seconds = 0;
+  int64_t steps = 0;
+  g_step_expert_bytes.store(0, std::memory_order_relaxed);
+  for (auto _ : state) {
+    probe_sum +=
+        bench::TimedReadGBps(pool, probe + (steps % 4) * (size_t{256} << 20), size_t{256} << 20);
+    for (int b = 0; b < batch; ++b) {
+      inputs[b] = {seqs[b].get(), std::span<const int32_t>(&next[b], 1), true};
+    }
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<decode::StepResult> out = (*runner)->Run(inputs);
+    const auto end = std::chrono::steady_clock::now();
+    seconds += std::chrono::duration<double>(end - start).count();
+    state.SetIterationTime(std::chrono::duration<double>(end - start).count());
+    for (int b = 0; b < batch; ++b) {
+      HMOE_CHECK_OK(out[b].status);
+      next[b] = static_cast<int32_t>(std::max_element(out[b].logits.begin(), out[b].logits.end()) -
+                                     out[b].logits.begin());
+    }
+    ++steps;
+  }
+  const double bandwidth = probe_sum / std::max<int64_t>(1, steps);
+  const double step_seconds = seconds / std::max<int64_t>(1, steps);
+  // Non-expert weights are read once per micro-batch.
+  const int64_t passes = (dual && batch >= 2) ? 2 : 1;
+  const double bytes_per_step =
+      static_cast<double>(passes * NonExpertBytesPerStep(c)) +
+      static_cast<double>(g_step_expert_bytes.load(std::memory_order_relaxed)) / steps;
+  state.counters["tok_per_s"] = batch / step_seconds;
+  state.counters["ms_per_step"] = step_seconds * 1e3;
+  state.counters["GB_per_step"] = bytes_per_step * 1e-9;
+  state.counters["read_GBps"] = bandwidth;
+  state.counters["frac_of_bw"] = bytes_per_step / step_seconds * 1e-9 / bandwidth;
+  state.counters["dual_steps"] = (*runner)->last_split().dual ? 1 : 0;
+}
+
 // Prefill of one prompt of state.range(1) tokens from an empty cache (Engine::Forward splits it
 // into steps of max_step_tokens); reports tokens/s and the device's peak scratch + KV bytes.
 void BM_Prefill(benchmark::State& state) {
@@ -313,6 +428,18 @@ int main(int argc, char** argv) {
           ->Iterations(hmoe::g_steps)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
+    }
+  }
+  for (int threads : {1, 2}) {
+    for (int batch : {1, 2, 4, 6}) {
+      for (int dual : {0, 1}) {
+        benchmark::RegisterBenchmark("BM_DecodeStepRunner", hmoe::BM_DecodeStepRunner)
+            ->Args({threads, batch, dual})
+            ->ArgNames({"threads", "batch", "dual"})
+            ->Iterations(hmoe::g_steps)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
+      }
     }
   }
   for (int64_t length : prefill_lengths) {
