@@ -55,7 +55,7 @@ class RouterThreadsTest : public ::testing::Test {
     options.limits = {.vocab_size = 1000, .context_length = 512};
     options.cancel_poll = absl::Milliseconds(2);
     options.retry_wait = absl::Milliseconds(100);
-    router_ = std::make_unique<Router>(options, &registry_, &factory_, nullptr, &clock_);
+    router_ = std::make_unique<Router>(options, &registry_, &factory_, nullptr, nullptr, &clock_);
   }
   void AddDecodeWorker(const std::string& id, Script script) {
     factory_.Set("fake:" + id, std::move(script));
