@@ -10,6 +10,7 @@
 
 #include "proto/prefill.grpc.pb.h"
 #include "router/grpc_status.h"
+#include "router/worker_channel.h"
 
 namespace hmoe::router {
 namespace {
@@ -54,8 +55,8 @@ class GrpcPrefillCall : public PrefillCall {
 class GrpcPrefillClient : public PrefillClient {
  public:
   explicit GrpcPrefillClient(const std::string& endpoint)
-      : stub_(pv1::PrefillService::NewStub(
-            grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))) {}
+      : stub_(pv1::PrefillService::NewStub(grpc::CreateCustomChannel(
+            endpoint, grpc::InsecureChannelCredentials(), WorkerChannelArguments()))) {}
 
   std::unique_ptr<PrefillCall> Prefill(const pv1::PrefillRequest& request,
                                        absl::Time deadline) override {
@@ -77,18 +78,28 @@ class GrpcPrefillClient : public PrefillClient {
 
 class GrpcPrefillClientFactory : public PrefillClientFactory {
  public:
-  std::shared_ptr<PrefillClient> ForEndpoint(const std::string& endpoint) override
+  std::shared_ptr<PrefillClient> ForEndpoint(const std::string& endpoint,
+                                             int64_t incarnation) override
       ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    std::shared_ptr<PrefillClient>& c = clients_[endpoint];
-    if (c == nullptr) c = std::make_shared<GrpcPrefillClient>(endpoint);
-    return c;
+    Entry& e = clients_[endpoint];
+    // A new incarnation (a restarted worker) gets a new channel: the old one may be backing off
+    // after failed connects to the dead process.
+    if (e.client == nullptr || e.incarnation != incarnation) {
+      e.client = std::make_shared<GrpcPrefillClient>(endpoint);
+      e.incarnation = incarnation;
+    }
+    return e.client;
   }
 
  private:
+  struct Entry {
+    int64_t incarnation = 0;
+    // shared_ptr: a client stays usable by in-flight requests while the map holds it too.
+    std::shared_ptr<PrefillClient> client;
+  };
   absl::Mutex mu_;
-  // shared_ptr: a client stays usable by in-flight requests while the map holds it too.
-  absl::flat_hash_map<std::string, std::shared_ptr<PrefillClient>> clients_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Entry> clients_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 // an interface, so the router's logic is tested against fakes, and a gRPC implementation over the
 // worker's unix socket.
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -42,11 +43,13 @@ class PrefillClient {
 class PrefillClientFactory {
  public:
   virtual ~PrefillClientFactory() = default;
-  // `endpoint` is a gRPC target such as "unix:/run/hmoe/prefill-0.sock". Never null.
-  virtual std::shared_ptr<PrefillClient> ForEndpoint(const std::string& endpoint) = 0;
+  // `endpoint` is a gRPC target such as "unix:/run/hmoe/worker.sock"; `incarnation` the worker's
+  // registration count (WorkerView::incarnation): a new one gets a new connection. Never null.
+  virtual std::shared_ptr<PrefillClient> ForEndpoint(const std::string& endpoint,
+                                                     int64_t incarnation) = 0;
 };
 
-// gRPC clients; one channel per endpoint, kept for the factory's lifetime.
+// gRPC clients; one channel per endpoint and incarnation (the latest is kept).
 std::unique_ptr<PrefillClientFactory> NewGrpcPrefillClientFactory();
 
 }  // namespace hmoe::router

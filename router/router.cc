@@ -338,9 +338,16 @@ absl::Status Router::Cancel(const std::string& request_id) {
 
 absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind hint,
                                             bool dslp_allowed, int attempt, absl::Time deadline) {
-  // A retry waits for workers to come back (a restart takes about a second).
+  // A retry waits for workers to come back (a restart takes about a second). So does a new request
+  // while every known decode worker is dead (restarting); with none registered ever, it fails now.
+  bool wait = attempt > 0;
+  if (!wait) {
+    for (const WorkerView& w : registry_->Snapshot()) {
+      wait = wait || w.identity.kind == WorkerKind::kDecode;
+    }
+  }
   const absl::Time wait_until =
-      attempt == 0 ? absl::InfinitePast() : std::min(deadline, absl::Now() + options_.retry_wait);
+      wait ? std::min(deadline, absl::Now() + options_.retry_wait) : absl::InfinitePast();
   while (true) {
     PolicyInput in;
     in.prompt_tokens = prompt_tokens;
@@ -356,7 +363,11 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
     }
     absl::StatusOr<RouteDecision> d = DecideRoute(in, options_.policy);
     if (d.ok() || absl::Now() >= wait_until) return d;
-    if (!absl::IsUnavailable(d.status()) && !absl::IsFailedPrecondition(d.status())) return d;
+    // A prefill worker named by a hint may come back too, but only for a retry.
+    if (!absl::IsUnavailable(d.status()) &&
+        !(attempt > 0 && absl::IsFailedPrecondition(d.status()))) {
+      return d;
+    }
     absl::SleepFor(absl::Milliseconds(50));
   }
 }
@@ -495,7 +506,8 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     *admit.mutable_kv_handle() = prefilled->kv_handle;
     admit.set_first_token_id(prefilled->first_token_id);
   }
-  std::shared_ptr<DecodeClient> client = decode_clients_->ForEndpoint(decode->identity.endpoint);
+  std::shared_ptr<DecodeClient> client =
+      decode_clients_->ForEndpoint(decode->identity.endpoint, decode->incarnation);
   std::unique_ptr<DecodeStream> stream = client->Admit(admit, req.deadline);
   {
     absl::MutexLock lock(&req.inflight->mu);
@@ -637,7 +649,8 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
       g->set_ep_mode(static_cast<pv1::EpMode>(options_.dslp_ep_mode));
     }
     calls.push_back(
-        prefill_clients_->ForEndpoint(workers[rank].identity.endpoint)->Prefill(r, req.deadline));
+        prefill_clients_->ForEndpoint(workers[rank].identity.endpoint, workers[rank].incarnation)
+            ->Prefill(r, req.deadline));
     CountWorker(workers[rank].identity.worker_id, +1);
   }
   {
@@ -723,7 +736,7 @@ void Router::ReleaseHandoff(Prefilled& p, const std::string& request_id) {
   p.released = true;
   for (const WorkerView& w : p.exports) {
     const absl::Status s =
-        prefill_clients_->ForEndpoint(w.identity.endpoint)
+        prefill_clients_->ForEndpoint(w.identity.endpoint, w.incarnation)
             ->Release(p.prefill_request_id, absl::Now() + options_.release_timeout);
     // NOT_FOUND: the worker's export timeout (or a restart) freed it already.
     if (!s.ok() && !absl::IsNotFound(s)) {

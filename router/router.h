@@ -77,7 +77,8 @@ struct RouterOptions {
   absl::Duration release_timeout = absl::Seconds(5);
   // Dispatches of one request (the first plus retries while no token was streamed).
   int32_t max_dispatch_attempts = 3;
-  // How long a retry waits for a live decode worker (bounded by the request's deadline).
+  // How long a retry waits for a live decode worker (bounded by the request's deadline); also a new
+  // request while every decode worker the router knows is dead (being restarted).
   absl::Duration retry_wait = absl::Seconds(5);
   // How often client cancellation is polled.
   absl::Duration cancel_poll = absl::Milliseconds(20);

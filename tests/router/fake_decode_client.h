@@ -172,7 +172,7 @@ class FakeFactory : public DecodeClientFactory {
     absl::MutexLock lock(&mu_);
     return logs_[endpoint];
   }
-  std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint) override {
+  std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint, int64_t) override {
     absl::MutexLock lock(&mu_);
     return clients_.at(endpoint);
   }

@@ -180,7 +180,7 @@ class FakePrefillFactory : public PrefillClientFactory {
     absl::MutexLock lock(&mu_);
     return logs_[endpoint];
   }
-  std::shared_ptr<PrefillClient> ForEndpoint(const std::string& endpoint) override {
+  std::shared_ptr<PrefillClient> ForEndpoint(const std::string& endpoint, int64_t) override {
     absl::MutexLock lock(&mu_);
     return clients_.at(endpoint);
   }
