@@ -213,9 +213,12 @@ struct Router::Prefilled {
 namespace {
 
 // Worker failures that mean the worker (or the connection to it) is gone, as opposed to an answer
-// about the request.
-bool IsWorkerDown(const absl::Status& s) {
-  return absl::IsUnavailable(s) || absl::IsUnknown(s) || absl::IsInternal(s) || absl::IsAborted(s);
+// about the request. A call the router did not cancel that ends CANCELLED is a broken connection
+// too: gRPC reports a peer killed mid-stream that way on unix sockets. (A worker that cancels a
+// request itself ends the call OK with FINISH_REASON_CANCELLED.)
+bool IsWorkerDown(const absl::Status& s, bool cancelled_by_us) {
+  return absl::IsUnavailable(s) || absl::IsUnknown(s) || absl::IsInternal(s) ||
+         absl::IsAborted(s) || (absl::IsCancelled(s) && !cancelled_by_us);
 }
 
 dv1::SamplingParams ToDecodeSampling(const v1::SamplingParams& s) {
@@ -488,7 +491,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
         req.dslp_allowed = false;
         return {true, s};
       }
-      if (IsWorkerDown(s) && absl::Now() < req.deadline) {
+      if (IsWorkerDown(s, /*cancelled_by_us=*/false) && absl::Now() < req.deadline) {
         HMOE_LOG(WARNING) << "req=" << req.id << " prefill failed (" << s << "); retrying";
         return {true, s};
       }
@@ -580,7 +583,8 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     return cancelled_outcome();
   } else {
     // The worker failed. Before any token the request can go elsewhere.
-    const bool worker_down = IsWorkerDown(status);
+    // Not cancelled by the client or the Cancel RPC (handled above) nor by a stop string.
+    const bool worker_down = IsWorkerDown(status, /*cancelled_by_us=*/false);
     if (worker_down) registry_->MarkDead(decode->identity.worker_id, decode->incarnation);
     if (worker_down && req.tokens_streamed == 0 && absl::Now() < req.deadline) {
       HMOE_LOG(WARNING) << "req=" << req.id << " decode worker " << decode->identity.worker_id
@@ -590,7 +594,10 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     const std::string where = absl::StrCat("decode worker ", decode->identity.worker_id, " after ",
                                            req.tokens_streamed, " tokens: ");
     if (status.ok()) return {false, absl::InternalError(where + "stream ended without Finished")};
-    if (worker_down) return {false, absl::UnavailableError(where + std::string(status.message()))};
+    if (worker_down) {
+      return {false, absl::UnavailableError(
+                         absl::StrCat(where, "connection lost (", status.ToString(), ")"))};
+    }
     return {false, absl::Status(status.code(), where + std::string(status.message()))};
   }
   f.mutable_usage()->set_completion_tokens(finished.has_value() && req.stop_string.empty()
@@ -718,7 +725,7 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   if (error != nullptr) {
     ReleaseHandoff(p, req.id);
     const WorkerView& w = workers[error_rank];
-    if (IsWorkerDown(*error) && !req.inflight->Cancelled()) {
+    if (!req.inflight->Cancelled() && IsWorkerDown(*error, /*cancelled_by_us=*/false)) {
       registry_->MarkDead(w.identity.worker_id, w.incarnation);
     }
     return absl::Status(error->code(), absl::StrCat("prefill worker ", w.identity.worker_id, ": ",
