@@ -340,17 +340,11 @@ absl::Status Router::Cancel(const std::string& request_id) {
 }
 
 absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind hint,
-                                            bool dslp_allowed, int attempt, absl::Time deadline) {
+                                            bool dslp_allowed, int attempt, absl::Time deadline,
+                                            Inflight& inflight) {
   // A retry waits for workers to come back (a restart takes about a second). So does a new request
   // while every known decode worker is dead (restarting); with none registered ever, it fails now.
-  bool wait = attempt > 0;
-  if (!wait) {
-    for (const WorkerView& w : registry_->Snapshot()) {
-      wait = wait || w.identity.kind == WorkerKind::kDecode;
-    }
-  }
-  const absl::Time wait_until =
-      wait ? std::min(deadline, absl::Now() + options_.retry_wait) : absl::InfinitePast();
+  std::optional<absl::Time> wait_until;
   while (true) {
     PolicyInput in;
     in.prompt_tokens = prompt_tokens;
@@ -365,12 +359,22 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
       in.last_decode_active = last_decode_active_;
     }
     absl::StatusOr<RouteDecision> d = DecideRoute(in, options_.policy);
-    if (d.ok() || absl::Now() >= wait_until) return d;
+    if (d.ok()) return d;
+    if (!wait_until.has_value()) {
+      bool wait = attempt > 0;
+      for (const WorkerView& w : registry_->Snapshot()) {
+        wait = wait || w.identity.kind == WorkerKind::kDecode;
+      }
+      wait_until =
+          wait ? std::min(deadline, absl::Now() + options_.retry_wait) : absl::InfinitePast();
+    }
+    if (absl::Now() >= *wait_until) return d;
     // A prefill worker named by a hint may come back too, but only for a retry.
     if (!absl::IsUnavailable(d.status()) &&
         !(attempt > 0 && absl::IsFailedPrecondition(d.status()))) {
       return d;
     }
+    if (inflight.Cancelled()) return absl::CancelledError("cancelled while waiting for a worker");
     absl::SleepFor(absl::Milliseconds(50));
   }
 }
@@ -402,7 +406,8 @@ absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadl
   for (int attempt = 0; attempt < options_.max_dispatch_attempts; ++attempt) {
     absl::StatusOr<RouteDecision> routed =
         Route(static_cast<int64_t>(req.prompt.size()), HintKind(proto.path_hint()),
-              req.dslp_allowed, attempt, deadline);
+              req.dslp_allowed, attempt, deadline, *req.inflight);
+    if (!routed.ok() && req.inflight->Cancelled()) return CancelledOutcome(req).status;
     if (!routed.ok()) {
       absl::MutexLock lock(&mu_);
       if (attempt == 0) {
@@ -451,6 +456,18 @@ absl::Status Router::Finish(Request& req, v1::Finished f) {
   return absl::OkStatus();
 }
 
+Router::Outcome Router::CancelledOutcome(Request& req) {
+  if (req.inflight->CancelledByRpc() && !req.client_write_failed) {
+    v1::Finished f;
+    f.set_stop_token_id(-1);
+    f.set_reason(v1::FINISH_REASON_CANCELLED);
+    f.set_error_message("cancelled by the Cancel RPC");
+    f.mutable_usage()->set_completion_tokens(req.tokens_streamed);
+    return {false, Finish(req, std::move(f))};
+  }
+  return {false, absl::CancelledError("client cancelled")};
+}
+
 Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int attempt) {
   const std::optional<WorkerView> decode = registry_->Find(route.decode_worker_id);
   if (!decode.has_value()) {
@@ -464,18 +481,6 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   HMOE_VLOG(1) << "req=" << req.id << " " << PathName(route.path) << " decode "
                << route.decode_worker_id << " attempt " << attempt + 1;
 
-  auto cancelled_outcome = [&]() -> Outcome {
-    if (req.inflight->CancelledByRpc() && !req.client_write_failed) {
-      v1::Finished f;
-      f.set_stop_token_id(-1);
-      f.set_reason(v1::FINISH_REASON_CANCELLED);
-      f.set_error_message("cancelled by the Cancel RPC");
-      f.mutable_usage()->set_completion_tokens(req.tokens_streamed);
-      return {false, Finish(req, std::move(f))};
-    }
-    return {false, absl::CancelledError("client cancelled")};
-  };
-
   // --- prefill on prefill workers (SLP / DSLP)
   std::optional<Prefilled> prefilled;
   absl::Cleanup release_handoff = [&] {
@@ -485,7 +490,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     absl::StatusOr<Prefilled> p = RunPrefill(req, route, attempt);
     if (!p.ok()) {
       const absl::Status& s = p.status();
-      if (req.inflight->Cancelled()) return cancelled_outcome();
+      if (req.inflight->Cancelled()) return CancelledOutcome(req);
       if (route.path == Path::kDslp && absl::IsUnimplemented(s)) {
         HMOE_LOG(WARNING) << "req=" << req.id << " DSLP refused (" << s << "); retrying as SLP";
         req.dslp_allowed = false;
@@ -580,7 +585,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
       if (req.proto->detokenize()) f.set_text(std::move(rest));
     }
   } else if (req.inflight->CancelledByRpc()) {
-    return cancelled_outcome();
+    return CancelledOutcome(req);
   } else {
     // The worker failed. Before any token the request can go elsewhere.
     // Not cancelled by the client or the Cancel RPC (handled above) nor by a stop string.

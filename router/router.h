@@ -134,8 +134,10 @@ class Router {
   absl::Status Admit(const std::string& request_id, GenerateSink* sink,
                      std::shared_ptr<Inflight>* out) ABSL_LOCKS_EXCLUDED(mu_);
   void Release(const std::shared_ptr<Inflight>& inflight) ABSL_LOCKS_EXCLUDED(mu_);
+  // The policy's decision; waits (polling) for workers to come back where router.h says so.
   absl::StatusOr<RouteDecision> Route(int64_t prompt_tokens, PathHintKind hint, bool dslp_allowed,
-                                      int attempt, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+                                      int attempt, absl::Time deadline, Inflight& inflight)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // One dispatch: prefill (SLP/DSLP) when the route says so, then the decode worker's stream.
   Outcome RunAttempt(Request& request, const RouteDecision& route, int attempt)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -144,6 +146,9 @@ class Router {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Frees a prefill worker's hand-off buffer (best effort: failures are logged).
   void ReleaseHandoff(Prefilled& prefilled, const std::string& request_id);
+  // How a request cancelled by the Cancel RPC (Finished CANCELLED, OK) or by its client
+  // (CANCELLED) ends.
+  Outcome CancelledOutcome(Request& request);
   // Writes the Finished message ending a request.
   absl::Status Finish(Request& request, hmoe::v1::Finished finished);
   void CountWorker(const std::string& worker_id, int delta) ABSL_LOCKS_EXCLUDED(mu_);
