@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -33,6 +34,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include <grpcpp/grpcpp.h>
@@ -40,11 +43,14 @@
 #include "common/device/cpu_device.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/reference/reference_model.h"
+#include "common/kv/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "decode_worker/engine_step_engine.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
+#include "proto/prefill.grpc.pb.h"
+#include "proto/worker_registry.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
 #include "tests/integration/child_process.h"
 
@@ -582,6 +588,212 @@ TEST_F(RouterStackTest, LongPromptsTakeThePolicyPathAndAgreeWithTheReference) {
   EXPECT_EQ(busy.finish.timing().path(), v1::PATH_CHUNKED);
   ExpectAgreement(long_prompt, with_decode, kNew, "long, decode active");
   EXPECT_EQ(with_decode.finish.timing().path(), v1::PATH_SLP);
+}
+
+// A prefill worker stand-in in this process, until hmoe-prefill-worker exists: it speaks the real
+// hmoe.prefill.v1 protocol on a unix socket and registers with the router as PREFILL; a Prefill
+// runs the FP32 reference over the prompt, writes the KV cache into a real hand-off segment
+// (common/kv/kv_handoff.h, what the decode worker imports) and returns the greedy first token and
+// the handle. As rank > 0 of a DSLP group it returns without a handle. Release removes the
+// segment. So the router's SLP/DSLP dispatch, the hand-off to a real decode worker and Release are
+// exercised end to end with real router and decode processes.
+class ReferencePrefillWorker final : public prefill::v1::PrefillService::Service {
+ public:
+  static std::unique_ptr<ReferencePrefillWorker> Start(const std::string& id,
+                                                       const std::string& socket,
+                                                       const std::string& registry_socket) {
+    auto w = std::unique_ptr<ReferencePrefillWorker>(new ReferencePrefillWorker(id));
+    grpc::ServerBuilder b;
+    b.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+    b.RegisterService(w.get());
+    w->server_ = b.BuildAndStart();
+    if (w->server_ == nullptr) return nullptr;
+    auto registry = registry::v1::WorkerRegistry::NewStub(
+        grpc::CreateChannel("unix:" + registry_socket, grpc::InsecureChannelCredentials()));
+    registry::v1::RegisterRequest reg;
+    reg.set_worker_id(id);
+    reg.set_kind(registry::v1::WORKER_KIND_PREFILL);
+    reg.set_endpoint("unix:" + socket);
+    reg.set_device("cpu");
+    reg.set_pid(::getpid());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    registry::v1::RegisterResponse resp;
+    if (!registry->Register(&ctx, reg, &resp).ok()) return nullptr;
+    w->heartbeats_ = std::jthread([w = w.get(), registry = std::move(registry)] {
+      while (!w->stop_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+        grpc::ClientContext hc;
+        hc.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+        registry::v1::HeartbeatRequest hb;
+        hb.set_worker_id(w->id_);
+        registry::v1::HeartbeatResponse hr;
+        (void)registry->Heartbeat(&hc, hb, &hr);
+      }
+    });
+    return w;
+  }
+  ~ReferencePrefillWorker() override {
+    stop_.Notify();
+    heartbeats_ = std::jthread();
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, name] : exports_) (void)KvHandoffSegment::Remove(name);
+  }
+
+  grpc::Status Prefill(grpc::ServerContext*, const prefill::v1::PrefillRequest* request,
+                       prefill::v1::PrefillResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    requests_.push_back(*request);
+    response->set_worker_id(id_);
+    response->set_prompt_tokens(request->prompt_token_ids_size());
+    if (request->has_dslp() && request->dslp().rank() > 0) return grpc::Status::OK;
+    const std::vector<int32_t> prompt(request->prompt_token_ids().begin(),
+                                      request->prompt_token_ids().end());
+    const reference::ReferenceModel& ref = *g_shared->reference;
+    reference::ReferenceKvCache cache = ref.NewCache();
+    absl::StatusOr<std::vector<float>> logits = ref.Forward(prompt, cache);
+    if (!logits.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, logits.status().ToString());
+    const int64_t vocab = ref.config().vocab_size;
+    const float* last = logits->data() + (prompt.size() - 1) * vocab;
+    const auto first = static_cast<int32_t>(std::max_element(last, last + vocab) - last);
+    KvHandoffShape shape;
+    shape.num_layers = static_cast<uint32_t>(cache.num_layers());
+    shape.kv_lora_rank = static_cast<uint32_t>(cache.kv_lora_rank());
+    shape.rope_dim = static_cast<uint32_t>(cache.rope_dim());
+    std::string name = absl::StrCat("hmoe-test-kv-", ::getpid(), "-", id_, "-", ++exports_made_);
+    absl::StatusOr<KvHandoffSegment> seg =
+        KvHandoffSegment::Create(name, shape, static_cast<int64_t>(prompt.size()));
+    if (!seg.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, seg.status().ToString());
+    float* out = reinterpret_cast<float*>(seg->payload().data());
+    for (int64_t l = 0; l < cache.num_layers(); ++l) {
+      for (int64_t t = 0; t < cache.size(); ++t) {
+        for (int64_t c = 0; c < cache.kv_lora_rank(); ++c) {
+          *out++ = cache.latent(l)[t * cache.kv_lora_rank() + c];
+        }
+        for (int64_t c = 0; c < cache.rope_dim(); ++c)
+          *out++ = cache.k_pe(l)[t * cache.rope_dim() + c];
+      }
+    }
+    exports_[request->request_id()] = name;
+    response->set_first_token_id(first);
+    response->mutable_kv_handle()->set_shm_name(name);
+    response->mutable_kv_handle()->set_num_tokens(static_cast<int64_t>(prompt.size()));
+    response->mutable_kv_handle()->set_layout_version(kKvHandoffLayoutVersion);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Release(grpc::ServerContext*, const prefill::v1::ReleaseRequest* request,
+                       prefill::v1::ReleaseResponse*) override {
+    absl::MutexLock lock(&mu_);
+    released_.push_back(request->request_id());
+    auto it = exports_.find(request->request_id());
+    if (it == exports_.end()) return grpc::Status(grpc::StatusCode::NOT_FOUND, "no such export");
+    (void)KvHandoffSegment::Remove(it->second);
+    exports_.erase(it);
+    return grpc::Status::OK;
+  }
+
+  std::vector<prefill::v1::PrefillRequest> requests() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return requests_;
+  }
+  std::vector<std::string> released() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return released_;
+  }
+  size_t exports() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return exports_.size();
+  }
+
+ private:
+  explicit ReferencePrefillWorker(std::string id) : id_(std::move(id)) {}
+
+  const std::string id_;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Notification stop_;
+  std::jthread heartbeats_;
+  absl::Mutex mu_;
+  std::vector<prefill::v1::PrefillRequest> requests_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> released_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> exports_ ABSL_GUARDED_BY(mu_);  // request id -> segment
+  int exports_made_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+TEST_F(RouterStackTest, LongPromptsTakeSlpAndDslpThroughTheRealRouterAndDecodeWorker) {
+  // Prompts of >= 32 tokens are long; CPU prefill workers count as not sharing the decode
+  // worker's device (so SLP can run next to decode on a CPU-only machine).
+  auto stack = Stack::Start("handoff", 0, {"--chunk-threshold=32", "--cpu-devices-shared=false"});
+  ASSERT_NE(stack, nullptr);
+  std::vector<std::unique_ptr<ReferencePrefillWorker>> prefill;
+  for (int i = 0; i < 2; ++i) {
+    prefill.push_back(ReferencePrefillWorker::Start(
+        absl::StrCat("ref-prefill-", i), absl::StrCat(stack->run(), "/ref-prefill-", i, ".sock"),
+        stack->run() + "/router.sock"));
+    ASSERT_NE(prefill.back(), nullptr);
+  }
+  ASSERT_TRUE(stack->client().WaitLive(1, 2));
+  constexpr int kNew = 16;
+
+  // Long, decode never active: DSLP over both prefill workers.
+  const std::vector<int32_t> idle_prompt = Prompt(48, 1);
+  const Stream idle = stack->client().Generate(Greedy("idle", idle_prompt, kNew));
+  ExpectAgreement(idle_prompt, idle, kNew, "long, decode idle");
+  EXPECT_EQ(idle.finish.timing().path(), v1::PATH_DSLP);
+  ASSERT_EQ(idle.finish.timing().worker_ids_size(), 3);
+  EXPECT_EQ(idle.finish.timing().worker_ids(0), "decode-0");
+  std::string group;
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto reqs = prefill[rank]->requests();
+    ASSERT_EQ(reqs.size(), 1u) << rank;
+    EXPECT_EQ(reqs[0].request_id(), "idle");
+    ASSERT_TRUE(reqs[0].has_dslp());
+    EXPECT_EQ(reqs[0].dslp().world_size(), 2);
+    EXPECT_EQ(reqs[0].dslp().rank(), rank);
+    if (rank == 0) group = reqs[0].dslp().group_id();
+    EXPECT_EQ(reqs[0].dslp().group_id(), group);
+  }
+  // The hand-off was imported (the decode worker prefilled nothing) and released.
+  EXPECT_EQ(prefill[0]->released(), (std::vector<std::string>{"idle"}));
+  EXPECT_EQ(prefill[0]->exports(), 0u);
+  EXPECT_EQ(stack->DecodeStatus().prompt_tokens_prefilled(), 0);
+
+  // Short: chunked on the decode worker, kept generating while a long prompt arrives: SLP.
+  const std::vector<int32_t> short_prompt = Prompt(10, 2);
+  const std::vector<int32_t> long_prompt = Prompt(60, 3);
+  Stream busy, with_decode;
+  {
+    std::atomic<bool> streaming{false};
+    std::jthread background([&] {
+      busy = stack->client().Generate(Greedy("busy", short_prompt, 900), absl::Seconds(120),
+                                      [&](int) { streaming = true; });
+    });
+    while (!streaming.load()) std::this_thread::sleep_for(1ms);
+    with_decode = stack->client().Generate(Greedy("with-decode", long_prompt, kNew));
+    // NOT_FOUND when it already finished its 900 tokens.
+    const grpc::Status cancel = stack->client().Cancel("busy");
+    EXPECT_TRUE(cancel.ok() || cancel.error_code() == grpc::StatusCode::NOT_FOUND)
+        << cancel.error_message();
+  }
+  EXPECT_EQ(busy.finish.timing().path(), v1::PATH_CHUNKED);
+  ExpectAgreement(long_prompt, with_decode, kNew, "long, decode active");
+  EXPECT_EQ(with_decode.finish.timing().path(), v1::PATH_SLP);
+  ASSERT_EQ(with_decode.finish.timing().worker_ids_size(), 2);
+  const std::string slp_worker = with_decode.finish.timing().worker_ids(1);
+  const int slp_rank = slp_worker == "ref-prefill-0" ? 0 : 1;
+  EXPECT_EQ(prefill[slp_rank]->requests().back().request_id(), "with-decode");
+  EXPECT_FALSE(prefill[slp_rank]->requests().back().has_dslp());
+  EXPECT_EQ(prefill[slp_rank]->released().back(), "with-decode");
+  EXPECT_EQ(prefill[slp_rank]->exports(), 0u);
+  // The decode worker prefilled only the short prompt itself.
+  EXPECT_EQ(stack->DecodeStatus().prompt_tokens_prefilled(), 10);
+
+  // A prefill worker that is gone: the long prompt is retried without it and still served.
+  prefill[0].reset();
+  prefill[1].reset();
+  const Stream after = stack->client().Generate(Greedy("after", long_prompt, kNew));
+  ExpectAgreement(long_prompt, after, kNew, "long, prefill workers gone");
+  EXPECT_EQ(after.finish.timing().path(), v1::PATH_CHUNKED);
 }
 
 // ------------------------------------------------------------------ acceptance 3: bad input
