@@ -1,8 +1,12 @@
 // The whole service as real processes on the tiny checkpoint (issue #6 acceptance 1-3):
 //   - hmoe-weightd + hmoe-decode-worker + hmoe-router: 8 concurrent clients with different prompt
-//     lengths, each stream agreeing with the single-process FP32 reference (token agreement rule,
-//     tests/decode_worker/decode_test_util.h), path CHUNKED for short prompts; the SLP and DSLP
-//     paths with hmoe-prefill-worker processes (long prompt with decode idle / with decode active);
+//     lengths, each stream agreeing with the single-process FP32 reference (the decode-worker
+//     issue's token agreement rule, with its routing-flip exemption), path CHUNKED for short
+//     prompts;
+//   - the SLP and DSLP paths (long prompt with decode idle / with decode active) through the real
+//     router and decode worker, with prefill workers played by this process (the real
+//     hmoe.prefill.v1 protocol, reference prefill, real KV hand-off segments) and, once
+//     hmoe-prefill-worker is built, with that binary;
 //   - under supervisord, as `hmoe deploy` writes it: kill -9 the decode worker (then a prefill
 //     worker) while requests run: the router keeps answering health, affected requests end with a
 //     clear status, supervisord restarts the worker, new requests succeed within 5 s, weightd
