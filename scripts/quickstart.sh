@@ -90,7 +90,11 @@ for _ in $(seq 1 600); do
     ready=1
     break
   fi
-  if supervisorctl -c "$CONF" status | grep -qE 'FATAL|BACKOFF'; then break; fi
+  # A program that cannot start (weightd, decode worker, router; a prefill worker is optional here:
+  # the demo prompt is short) ends the wait.
+  if supervisorctl -c "$CONF" status | grep -E '^(weightd|decode|router) ' | grep -qE 'FATAL|BACKOFF'; then
+    break
+  fi
   sleep 0.5
 done
 if [[ $ready != 1 ]]; then
