@@ -7,6 +7,7 @@
 
 #include "proto/decode.grpc.pb.h"
 #include "router/grpc_status.h"
+#include "router/worker_channel.h"
 
 namespace hmoe::router {
 namespace {
@@ -32,8 +33,8 @@ class GrpcDecodeStream : public DecodeStream {
 class GrpcDecodeClient : public DecodeClient {
  public:
   explicit GrpcDecodeClient(const std::string& endpoint)
-      : stub_(dv1::DecodeService::NewStub(
-            grpc::CreateChannel(endpoint, grpc::InsecureChannelCredentials()))) {}
+      : stub_(dv1::DecodeService::NewStub(grpc::CreateCustomChannel(
+            endpoint, grpc::InsecureChannelCredentials(), WorkerChannelArguments()))) {}
   std::unique_ptr<DecodeStream> Admit(const dv1::AdmitRequest& request,
                                       absl::Time deadline) override {
     return std::make_unique<GrpcDecodeStream>(stub_.get(), request, deadline);
@@ -45,18 +46,27 @@ class GrpcDecodeClient : public DecodeClient {
 
 class GrpcDecodeClientFactory : public DecodeClientFactory {
  public:
-  std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint) override
-      ABSL_LOCKS_EXCLUDED(mu_) {
+  std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint,
+                                            int64_t incarnation) override ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
-    std::shared_ptr<DecodeClient>& c = clients_[endpoint];
-    if (c == nullptr) c = std::make_shared<GrpcDecodeClient>(endpoint);
-    return c;
+    Entry& e = clients_[endpoint];
+    // A new incarnation (a restarted worker) gets a new channel: the old one may be backing off
+    // after failed connects to the dead process.
+    if (e.client == nullptr || e.incarnation != incarnation) {
+      e.client = std::make_shared<GrpcDecodeClient>(endpoint);
+      e.incarnation = incarnation;
+    }
+    return e.client;
   }
 
  private:
+  struct Entry {
+    int64_t incarnation = 0;
+    // shared_ptr: a client stays usable by in-flight requests while the map holds it too.
+    std::shared_ptr<DecodeClient> client;
+  };
   absl::Mutex mu_;
-  // shared_ptr: a client stays usable by in-flight requests while the map holds it too.
-  absl::flat_hash_map<std::string, std::shared_ptr<DecodeClient>> clients_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Entry> clients_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

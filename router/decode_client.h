@@ -3,6 +3,7 @@
 // How the router talks to decode workers (proto/decode.proto): an interface, so the router's logic
 // is tested against fakes, and a gRPC implementation over the worker's unix socket.
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -40,11 +41,13 @@ class DecodeClient {
 class DecodeClientFactory {
  public:
   virtual ~DecodeClientFactory() = default;
-  // `endpoint` is a gRPC target such as "unix:/run/hmoe/decode.sock". Never null.
-  virtual std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint) = 0;
+  // `endpoint` is a gRPC target such as "unix:/run/hmoe/worker.sock"; `incarnation` the worker's
+  // registration count (WorkerView::incarnation): a new one gets a new connection. Never null.
+  virtual std::shared_ptr<DecodeClient> ForEndpoint(const std::string& endpoint,
+                                                    int64_t incarnation) = 0;
 };
 
-// gRPC clients; one channel per endpoint, kept for the factory's lifetime.
+// gRPC clients; one channel per endpoint and incarnation (the latest is kept).
 std::unique_ptr<DecodeClientFactory> NewGrpcDecodeClientFactory();
 
 }  // namespace hmoe::router

@@ -6,10 +6,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -25,6 +27,7 @@
 #include "common/model/tokenizer.h"
 #include "router/clock.h"
 #include "router/decode_client.h"
+#include "router/prefill_client.h"
 #include "router/registry_service.h"
 #include "router/router.h"
 #include "router/router_service.h"
@@ -41,6 +44,13 @@ ABSL_FLAG(int, context_length, 0, "context length without --model (0: unchecked)
 ABSL_FLAG(int, chunk_threshold, 2048, "prompts with fewer tokens take chunked prefill");
 ABSL_FLAG(int, decode_idle_window_s, 300, "DSLP only when decode was idle this long");
 ABSL_FLAG(int, max_inflight, 256, "requests in flight; RESOURCE_EXHAUSTED beyond");
+ABSL_FLAG(int, max_prefill_queue, 64,
+          "long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond");
+ABSL_FLAG(bool, cpu_devices_shared, true,
+          "workers on \"cpu\" devices compete for one device (off: CPU prefill workers count as "
+          "not sharing the decode worker's device, so SLP runs next to decode)");
+ABSL_FLAG(std::string, dslp_ep_mode, "default",
+          "DSLP expert parallelism: default, standard, small_ep");
 ABSL_FLAG(int, max_request_bytes, 4 << 20, "largest accepted request message");
 ABSL_FLAG(int, heartbeat_interval_ms, 1000, "heartbeat period suggested to workers");
 ABSL_FLAG(int, heartbeat_timeout_ms, 3000, "a worker silent this long is dead");
@@ -73,11 +83,30 @@ bool PrepareSocketDir(const std::string& socket_path) {
   return true;
 }
 
+// absl flags are spelled with underscores; accept --max-inflight as well as --max_inflight.
+std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
+  storage.assign(argv, argv + argc);
+  for (size_t i = 1; i < storage.size(); ++i) {
+    std::string& a = storage[i];
+    if (a == "--") break;
+    if (a.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(a.find('='), a.size());
+    for (size_t j = 2; j < end; ++j) {
+      if (a[j] == '-') a[j] = '_';
+    }
+  }
+  std::vector<char*> out;
+  for (std::string& s : storage) out.push_back(s.data());
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("hmoe-router --listen 127.0.0.1:50051 --model DIR");
-  absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> storage;
+  std::vector<char*> args = NormalizeFlagNames(argc, argv, storage);
+  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
 
   hmoe::router::RouterOptions options;
   std::unique_ptr<hmoe::Tokenizer> tokenizer;
@@ -96,6 +125,9 @@ int main(int argc, char** argv) {
     options.bos_token_id = static_cast<int32_t>(config->bos_token_id);
     if (!config->eos_token_ids.empty()) {
       options.eos_token_id = static_cast<int32_t>(config->eos_token_ids[0]);
+    }
+    for (const auto id : config->eos_token_ids) {
+      options.eos_token_ids.push_back(static_cast<int32_t>(id));
     }
     absl::StatusOr<std::unique_ptr<hmoe::Tokenizer>> t = hmoe::Tokenizer::Load(model_dir);
     if (t.ok()) {
@@ -117,6 +149,22 @@ int main(int argc, char** argv) {
   options.policy.chunk_threshold_tokens = absl::GetFlag(FLAGS_chunk_threshold);
   options.policy.decode_idle_window = absl::Seconds(absl::GetFlag(FLAGS_decode_idle_window_s));
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
+  options.max_prefill_queue = absl::GetFlag(FLAGS_max_prefill_queue);
+  options.policy.cpu_devices_shared = absl::GetFlag(FLAGS_cpu_devices_shared);
+  options.dslp_group_prefix = absl::StrCat("hmoe-dslp-", getpid());
+  if (const std::string ep = absl::GetFlag(FLAGS_dslp_ep_mode); ep == "standard") {
+    options.dslp_ep_mode = 1;
+  } else if (ep == "small_ep") {
+    options.dslp_ep_mode = 2;
+  } else if (ep != "default") {
+    HMOE_LOG(ERROR) << "--dslp_ep_mode: default, standard or small_ep, got " << ep;
+    return 2;
+  }
+  if (options.max_inflight < 1 || options.max_prefill_queue < 0 || options.max_request_bytes < 1) {
+    HMOE_LOG(ERROR) << "--max_inflight and --max_request_bytes must be >= 1, "
+                       "--max_prefill_queue >= 0";
+    return 2;
+  }
   options.retry_wait = absl::Milliseconds(absl::GetFlag(FLAGS_retry_wait_ms));
 
   // Signals are handled by sigwait below; block them before gRPC starts its threads.
@@ -133,7 +181,10 @@ int main(int argc, char** argv) {
        .heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms))});
   std::unique_ptr<hmoe::router::DecodeClientFactory> decode_clients =
       hmoe::router::NewGrpcDecodeClientFactory();
-  Router router(options, &registry, decode_clients.get(), tokenizer.get(), &clock);
+  std::unique_ptr<hmoe::router::PrefillClientFactory> prefill_clients =
+      hmoe::router::NewGrpcPrefillClientFactory();
+  Router router(options, &registry, decode_clients.get(), prefill_clients.get(), tokenizer.get(),
+                &clock);
   hmoe::router::RouterService router_service(&router);
   hmoe::router::RegistryService registry_service(&registry);
 

@@ -15,12 +15,12 @@ const WorkerView* FindWorker(const std::vector<WorkerView>& workers, const std::
   return nullptr;
 }
 
-// Prefill workers not on `device`, in input (worker_id) order.
+// Prefill workers not sharing `device`, in input (worker_id) order.
 std::vector<std::string> NotSharing(const std::vector<WorkerView>& prefill,
-                                    const std::string& device) {
+                                    const std::string& device, const PolicyOptions& options) {
   std::vector<std::string> out;
   for (const WorkerView& w : prefill) {
-    if (w.identity.device != device) out.push_back(w.identity.worker_id);
+    if (!SharesDevice(w.identity.device, device, options)) out.push_back(w.identity.worker_id);
   }
   return out;
 }
@@ -32,6 +32,11 @@ std::vector<std::string> AllIds(const std::vector<WorkerView>& workers) {
 }
 
 }  // namespace
+
+bool SharesDevice(const std::string& a, const std::string& b, const PolicyOptions& options) {
+  if (a != b) return false;
+  return options.cpu_devices_shared || a.rfind("cpu", 0) != 0;
+}
 
 const char* PathName(Path path) {
   switch (path) {
@@ -64,7 +69,8 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
   HMOE_ASSIGN_OR_RETURN(d.decode_worker_id, PickDecodeWorker(in.decode_workers));
   const std::string& decode_device =
       FindWorker(in.decode_workers, d.decode_worker_id)->identity.device;
-  const std::vector<std::string> not_sharing = NotSharing(in.prefill_workers, decode_device);
+  const std::vector<std::string> not_sharing =
+      NotSharing(in.prefill_workers, decode_device, options);
 
   switch (in.hint) {
     case PathHintKind::kChunked:
@@ -78,11 +84,16 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
       // Prefer workers off the decode device, then the others.
       d.prefill_worker_ids = not_sharing;
       for (const WorkerView& w : in.prefill_workers) {
-        if (w.identity.device == decode_device)
+        if (SharesDevice(w.identity.device, decode_device, options)) {
           d.prefill_worker_ids.push_back(w.identity.worker_id);
+        }
       }
       return d;
     case PathHintKind::kDslp:
+      if (!in.dslp_allowed) {
+        return absl::FailedPreconditionError(
+            "path_hint DSLP: the prefill workers do not implement DSLP");
+      }
       if (in.prefill_workers.size() < 2) {
         return absl::FailedPreconditionError(
             absl::StrCat("path_hint DSLP: needs at least 2 live prefill workers, have ",
@@ -104,7 +115,7 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
                                 in.now - *in.last_decode_active >= options.decode_idle_window);
   if (decode_idle) {
     d.prefill_worker_ids = AllIds(in.prefill_workers);
-    d.path = d.prefill_worker_ids.size() >= 2 ? Path::kDslp : Path::kSlp;
+    d.path = d.prefill_worker_ids.size() >= 2 && in.dslp_allowed ? Path::kDslp : Path::kSlp;
     return d;
   }
   if (not_sharing.empty()) {

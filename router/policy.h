@@ -6,7 +6,8 @@
 //   - prompt < chunk threshold          -> CHUNKED: chunked prefill on the decode worker;
 //   - longer, decode idle for the window -> DSLP over all live prefill workers (SLP when only one);
 //   - longer, decode recently active     -> SLP on the prefill workers that do not share the decode
-//                                           worker's device (equal device strings share);
+//                                           worker's device (equal device strings share; CPU
+//                                           devices share unless cpu_devices_shared is off);
 //   - no usable prefill worker           -> CHUNKED.
 // A path hint overrides the policy when feasible; otherwise FailedPrecondition says why. Every
 // path needs a live decode worker (decode always runs there): Unavailable without one.
@@ -33,6 +34,10 @@ struct PolicyOptions {
   int64_t chunk_threshold_tokens = 2048;
   // DSLP only when no decode request was active within this window.
   absl::Duration decode_idle_window = absl::Minutes(5);
+  // Whether workers on "cpu" devices share one device (they compete for the same cores). Off for
+  // nodes whose CPU workers are pinned to disjoint cores or NUMA nodes (and in tests, to exercise
+  // SLP next to a running decode on a CPU-only machine).
+  bool cpu_devices_shared = true;
 };
 
 struct PolicyInput {
@@ -46,6 +51,9 @@ struct PolicyInput {
   // When the last decode request finished (nullopt: never).
   std::optional<absl::Time> last_decode_active;
   absl::Time now;
+  // False when the prefill workers refused DSLP (UNIMPLEMENTED): the idle case takes SLP and a
+  // DSLP hint is FailedPrecondition.
+  bool dslp_allowed = true;
 };
 
 struct RouteDecision {
@@ -53,7 +61,7 @@ struct RouteDecision {
   // The decode worker that streams the tokens.
   std::string decode_worker_id;
   // CHUNKED: empty. SLP: candidates in preference order (FCFS takes the first free one). DSLP: all
-  // of them run the prefill together.
+  // of them run the prefill together, rank i on prefill_worker_ids[i].
   std::vector<std::string> prefill_worker_ids;
 };
 
@@ -62,5 +70,8 @@ struct RouteDecision {
 absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& decode_workers);
 
 absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& input, const PolicyOptions& options);
+
+// Whether workers on `a` and `b` ("cpu", "cuda:N") compete for one device.
+bool SharesDevice(const std::string& a, const std::string& b, const PolicyOptions& options);
 
 }  // namespace hmoe::router

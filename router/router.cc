@@ -16,6 +16,7 @@ namespace {
 
 namespace v1 = hmoe::v1;
 namespace dv1 = hmoe::decode::v1;
+namespace pv1 = hmoe::prefill::v1;
 
 PathHintKind HintKind(v1::PathHint hint) {
   switch (hint) {
@@ -117,25 +118,133 @@ struct Router::Inflight {
   std::string request_id;
   GenerateSink* sink = nullptr;
   absl::Mutex mu;
+  // The worker calls of the current attempt, broken by Cancel and by the watcher.
   DecodeStream* stream ABSL_GUARDED_BY(mu) = nullptr;
+  std::vector<PrefillCall*> prefill_calls ABSL_GUARDED_BY(mu);
   // Cancel RPC.
   bool cancelled_by_rpc ABSL_GUARDED_BY(mu) = false;
   // The client went away (watcher).
   bool client_gone ABSL_GUARDED_BY(mu) = false;
 
-  // Breaks the current worker stream (if any) after setting a flag under the lock.
-  void CancelStreamLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void CancelCallsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (stream != nullptr) stream->Cancel();
+    for (PrefillCall* c : prefill_calls) c->Cancel();
+  }
+  bool Cancelled() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    return cancelled_by_rpc || client_gone;
+  }
+  bool CancelledByRpc() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    return cancelled_by_rpc;
+  }
+  bool ClientGone() ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    return client_gone;
   }
 };
 
+// The state of one Generate call across its dispatch attempts. Used by the Generate thread only.
+struct Router::Request {
+  const v1::GenerateRequest* proto = nullptr;
+  GenerateSink* sink = nullptr;
+  std::shared_ptr<Inflight> inflight;
+  std::string id;
+  std::vector<int32_t> prompt;
+  absl::Time arrival;
+  absl::Time deadline;
+  // What every attempt sends to the decode worker (plus the hand-off for SLP/DSLP).
+  dv1::AdmitRequest admit;
+  std::optional<TextTracker> text;
+  v1::Timing timing;
+  int32_t tokens_streamed = 0;
+  absl::Time first_token_time;
+  absl::Time last_token_time;
+  bool wrote_any = false;
+  bool client_write_failed = false;
+  // Set when a stop string completed: the stream ends there.
+  std::string stop_string;
+  // Cleared when the prefill workers answered DSLP with UNIMPLEMENTED.
+  bool dslp_allowed = true;
+
+  bool Write(v1::GenerateResponse& r) {
+    if (!wrote_any) r.set_request_id(id);
+    wrote_any = true;
+    if (!sink->Write(r)) {
+      client_write_failed = true;
+      return false;
+    }
+    return true;
+  }
+
+  // Streams one generated token. False when the stream must end (the client is gone, or a stop
+  // string completed).
+  bool EmitToken(int32_t token_id) {
+    v1::GenerateResponse out;
+    v1::Token* t = out.mutable_token();
+    t->set_token_id(token_id);
+    t->set_index(tokens_streamed);
+    if (text.has_value()) {
+      std::string piece = text->Push(token_id, &stop_string);
+      if (proto->detokenize()) t->set_text(std::move(piece));
+    }
+    const absl::Time now = absl::Now();
+    if (tokens_streamed == 0) first_token_time = now;
+    last_token_time = now;
+    ++tokens_streamed;
+    if (!Write(out)) return false;
+    return stop_string.empty();
+  }
+};
+
+// A finished prefill: the first token and where the prompt's KV cache waits for the decode worker.
+struct Router::Prefilled {
+  int32_t first_token_id = -1;
+  dv1::KvHandle kv_handle;
+  // The id the prefill workers know the request by, and the workers holding a hand-off buffer of
+  // it (rank 0, plus any other rank that reported a handle).
+  std::string prefill_request_id;
+  std::vector<WorkerView> exports;
+  // Every prefill worker that ran it (rank order).
+  std::vector<std::string> worker_ids;
+  bool released = false;
+};
+
+namespace {
+
+// Worker failures that mean the worker (or the connection to it) is gone, as opposed to an answer
+// about the request. A call the router did not cancel that ends CANCELLED is a broken connection
+// too: gRPC reports a peer killed mid-stream that way on unix sockets. (A worker that cancels a
+// request itself ends the call OK with FINISH_REASON_CANCELLED.)
+bool IsWorkerDown(const absl::Status& s, bool cancelled_by_us) {
+  return absl::IsUnavailable(s) || absl::IsUnknown(s) || absl::IsInternal(s) ||
+         absl::IsAborted(s) || (absl::IsCancelled(s) && !cancelled_by_us);
+}
+
+dv1::SamplingParams ToDecodeSampling(const v1::SamplingParams& s) {
+  dv1::SamplingParams d;
+  d.set_temperature(s.temperature());
+  d.set_top_k(s.top_k());
+  d.set_top_p(s.top_p());
+  d.set_min_p(s.min_p());
+  d.set_repetition_penalty(s.repetition_penalty());
+  d.set_presence_penalty(s.presence_penalty());
+  d.set_seed(s.seed());
+  return d;
+}
+
+}  // namespace
+
 Router::Router(RouterOptions options, WorkerRegistry* registry, DecodeClientFactory* decode_clients,
-               const Tokenizer* tokenizer, const Clock* clock)
+               PrefillClientFactory* prefill_clients, const Tokenizer* tokenizer,
+               const Clock* clock)
     : options_(std::move(options)),
       registry_(registry),
       decode_clients_(decode_clients),
+      prefill_clients_(prefill_clients),
       tokenizer_(tokenizer),
       clock_(clock),
+      prefill_queue_({.max_waiting = options_.max_prefill_queue, .poll = options_.cancel_poll}),
       watcher_([this] { WatchCancellations(); }) {}
 
 Router::~Router() {
@@ -151,13 +260,16 @@ void Router::WatchCancellations() {
   while (!stopping_) {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.cancel_poll);
     if (stopping_) break;
+    bool any = false;
     for (auto& [id, inflight] : inflight_) {
       if (!inflight->sink->IsCancelled()) continue;
       absl::MutexLock request_lock(&inflight->mu);
       if (inflight->client_gone) continue;
       inflight->client_gone = true;
-      inflight->CancelStreamLocked();
+      inflight->CancelCallsLocked();
+      any = true;
     }
+    if (any) prefill_queue_.Poke();  // a waiter in the prefill queue leaves now
   }
 }
 
@@ -203,6 +315,11 @@ void Router::Release(const std::shared_ptr<Inflight>& inflight) {
   inflight_.erase(inflight->request_id);
 }
 
+void Router::CountWorker(const std::string& worker_id, int delta) {
+  absl::MutexLock lock(&mu_);
+  if ((worker_inflight_[worker_id] += delta) == 0) worker_inflight_.erase(worker_id);
+}
+
 absl::Status Router::Cancel(const std::string& request_id) {
   std::shared_ptr<Inflight> inflight;
   {
@@ -213,23 +330,28 @@ absl::Status Router::Cancel(const std::string& request_id) {
     }
     inflight = it->second;
   }
-  absl::MutexLock lock(&inflight->mu);
-  inflight->cancelled_by_rpc = true;
-  inflight->CancelStreamLocked();
+  {
+    absl::MutexLock lock(&inflight->mu);
+    inflight->cancelled_by_rpc = true;
+    inflight->CancelCallsLocked();
+  }
+  prefill_queue_.Poke();
   return absl::OkStatus();
 }
 
-absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind hint, int attempt,
-                                            absl::Time deadline) {
-  // A retry waits for a decode worker to come back (a restart takes about a second).
-  const absl::Time wait_until =
-      attempt == 0 ? absl::InfinitePast() : std::min(deadline, absl::Now() + options_.retry_wait);
+absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind hint,
+                                            bool dslp_allowed, int attempt, absl::Time deadline,
+                                            Inflight& inflight) {
+  // A retry waits for workers to come back (a restart takes about a second). So does a new request
+  // while every known decode worker is dead (restarting); with none registered ever, it fails now.
+  std::optional<absl::Time> wait_until;
   while (true) {
     PolicyInput in;
     in.prompt_tokens = prompt_tokens;
     in.hint = hint;
     in.decode_workers = registry_->Live(WorkerKind::kDecode);
-    // No prefill hand-off yet (router.h): the policy sees no prefill workers.
+    if (prefill_clients_ != nullptr) in.prefill_workers = registry_->Live(WorkerKind::kPrefill);
+    in.dslp_allowed = dslp_allowed;
     in.now = clock_->Now();
     {
       absl::MutexLock lock(&mu_);
@@ -237,214 +359,403 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
       in.last_decode_active = last_decode_active_;
     }
     absl::StatusOr<RouteDecision> d = DecideRoute(in, options_.policy);
-    if (d.ok() || !absl::IsUnavailable(d.status()) || absl::Now() >= wait_until) return d;
+    if (d.ok()) return d;
+    if (!wait_until.has_value()) {
+      bool wait = attempt > 0;
+      for (const WorkerView& w : registry_->Snapshot()) {
+        wait = wait || w.identity.kind == WorkerKind::kDecode;
+      }
+      wait_until =
+          wait ? std::min(deadline, absl::Now() + options_.retry_wait) : absl::InfinitePast();
+    }
+    if (absl::Now() >= *wait_until) return d;
+    // A prefill worker named by a hint may come back too, but only for a retry.
+    if (!absl::IsUnavailable(d.status()) &&
+        !(attempt > 0 && absl::IsFailedPrecondition(d.status()))) {
+      return d;
+    }
+    if (inflight.Cancelled()) return absl::CancelledError("cancelled while waiting for a worker");
     absl::SleepFor(absl::Milliseconds(50));
   }
 }
 
-absl::Status Router::Generate(const v1::GenerateRequest& request, absl::Time deadline,
+absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadline,
                               GenerateSink* sink) {
-  const absl::Time arrival = absl::Now();
-  HMOE_RETURN_IF_ERROR(ValidateGenerateRequest(request, options_.limits, tokenizer_));
-  HMOE_ASSIGN_OR_RETURN(std::vector<int32_t> prompt,
-                        ResolvePrompt(request, options_.limits, tokenizer_));
-  std::shared_ptr<Inflight> inflight;
-  HMOE_RETURN_IF_ERROR(Admit(request.request_id(), sink, &inflight));
-  absl::Cleanup release = [&] { Release(inflight); };
-  const std::string& id = inflight->request_id;
+  Request req;
+  req.arrival = absl::Now();
+  req.deadline = deadline;
+  req.proto = &proto;
+  req.sink = sink;
+  HMOE_RETURN_IF_ERROR(ValidateGenerateRequest(proto, options_.limits, tokenizer_));
+  HMOE_ASSIGN_OR_RETURN(req.prompt, ResolvePrompt(proto, options_.limits, tokenizer_));
+  HMOE_RETURN_IF_ERROR(Admit(proto.request_id(), sink, &req.inflight));
+  absl::Cleanup release = [&] { Release(req.inflight); };
+  req.id = req.inflight->request_id;
 
-  dv1::AdmitRequest admit;
-  admit.set_request_id(id);
-  admit.mutable_prompt_token_ids()->Assign(prompt.begin(), prompt.end());
-  {
-    const v1::SamplingParams& s = request.sampling();
-    dv1::SamplingParams* d = admit.mutable_sampling();
-    d->set_temperature(s.temperature());
-    d->set_top_k(s.top_k());
-    d->set_top_p(s.top_p());
-    d->set_min_p(s.min_p());
-    d->set_repetition_penalty(s.repetition_penalty());
-    d->set_presence_penalty(s.presence_penalty());
-    d->set_seed(s.seed());
+  req.admit.set_request_id(req.id);
+  req.admit.mutable_prompt_token_ids()->Assign(req.prompt.begin(), req.prompt.end());
+  *req.admit.mutable_sampling() = ToDecodeSampling(proto.sampling());
+  req.admit.set_max_new_tokens(proto.max_new_tokens());
+  req.admit.mutable_stop_token_ids()->CopyFrom(proto.stop_token_ids());
+  req.admit.set_ignore_eos(proto.ignore_eos());
+  if (tokenizer_ != nullptr && (proto.detokenize() || proto.stop_strings_size() > 0)) {
+    req.text.emplace(tokenizer_, proto);
   }
-  admit.set_max_new_tokens(request.max_new_tokens());
-  admit.mutable_stop_token_ids()->CopyFrom(request.stop_token_ids());
-  admit.set_ignore_eos(request.ignore_eos());
-
-  std::optional<TextTracker> text;
-  if (tokenizer_ != nullptr && (request.detokenize() || request.stop_strings_size() > 0)) {
-    text.emplace(tokenizer_, request);
-  }
-
-  v1::Timing timing;
-  int32_t tokens_streamed = 0;
-  absl::Time first_token_time;
-  absl::Time last_token_time;
-  bool wrote_any = false;
-  auto write = [&](v1::GenerateResponse& r) {
-    if (!wrote_any) r.set_request_id(id);
-    wrote_any = true;
-    return sink->Write(r);
-  };
-  auto fill_timing = [&](v1::Finished* f) {
-    const absl::Time end = absl::Now();
-    v1::Timing* t = f->mutable_timing();
-    *t = timing;
-    if (tokens_streamed > 0) t->set_ttft_us(absl::ToInt64Microseconds(first_token_time - arrival));
-    if (tokens_streamed > 1) {
-      t->set_tpot_us(absl::ToInt64Microseconds(last_token_time - first_token_time) /
-                     (tokens_streamed - 1));
-    }
-    t->set_total_us(absl::ToInt64Microseconds(end - arrival));
-    f->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(prompt.size()));
-  };
 
   absl::Status last_error;
   for (int attempt = 0; attempt < options_.max_dispatch_attempts; ++attempt) {
-    absl::StatusOr<RouteDecision> routed = Route(static_cast<int64_t>(prompt.size()),
-                                                 HintKind(request.path_hint()), attempt, deadline);
+    absl::StatusOr<RouteDecision> routed =
+        Route(static_cast<int64_t>(req.prompt.size()), HintKind(proto.path_hint()),
+              req.dslp_allowed, attempt, deadline, *req.inflight);
+    if (!routed.ok() && req.inflight->Cancelled()) return CancelledOutcome(req).status;
     if (!routed.ok()) {
-      if (attempt == 0) return routed.status();
       absl::MutexLock lock(&mu_);
+      if (attempt == 0) {
+        ++requests_rejected_;
+        return routed.status();
+      }
       ++requests_failed_;
       return absl::Status(
           routed.status().code(),
           absl::StrCat(routed.status().message(), " (after ", last_error.ToString(), ")"));
     }
-    const RouteDecision route = *std::move(routed);
-    std::optional<WorkerView> worker = registry_->Find(route.decode_worker_id);
-    if (!worker.has_value()) {
-      last_error = absl::UnavailableError(
-          absl::StrCat("decode worker ", route.decode_worker_id, " vanished"));
-      continue;
-    }
-    timing.set_path(ToProto(route.path));
-    timing.clear_worker_ids();
-    timing.add_worker_ids(route.decode_worker_id);
-    timing.set_attempts(attempt + 1);
-    timing.set_queue_us(absl::ToInt64Microseconds(absl::Now() - arrival));
-    HMOE_VLOG(1) << "req=" << id << " " << PathName(route.path) << " on " << route.decode_worker_id
-                 << " attempt " << attempt + 1;
-
-    std::shared_ptr<DecodeClient> client = decode_clients_->ForEndpoint(worker->identity.endpoint);
-    std::unique_ptr<DecodeStream> stream = client->Admit(admit, deadline);
-    {
-      absl::MutexLock lock(&inflight->mu);
-      inflight->stream = stream.get();
-      if (inflight->cancelled_by_rpc || inflight->client_gone) stream->Cancel();
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      ++decode_active_;
-      ++worker_inflight_[route.decode_worker_id];
-    }
-    absl::Cleanup unactive = [&] {
-      {
-        absl::MutexLock lock(&inflight->mu);
-        inflight->stream = nullptr;
-      }
-      absl::MutexLock lock(&mu_);
-      --decode_active_;
-      last_decode_active_ = clock_->Now();
-      if (--worker_inflight_[route.decode_worker_id] == 0) {
-        worker_inflight_.erase(route.decode_worker_id);
-      }
-    };
-
-    dv1::AdmitResponse in;
-    std::optional<dv1::Finished> finished;
-    std::string stop_string;
-    bool client_write_failed = false;
-    while (!finished.has_value() && stream->Read(&in)) {
-      if (in.has_token()) {
-        v1::GenerateResponse out;
-        v1::Token* t = out.mutable_token();
-        t->set_token_id(in.token().token_id());
-        t->set_index(tokens_streamed);
-        if (text.has_value()) {
-          std::string piece = text->Push(in.token().token_id(), &stop_string);
-          if (request.detokenize()) t->set_text(std::move(piece));
-        }
-        const absl::Time now = absl::Now();
-        if (tokens_streamed == 0) first_token_time = now;
-        last_token_time = now;
-        ++tokens_streamed;
-        if (!write(out)) {
-          client_write_failed = true;
-          break;
-        }
-        if (!stop_string.empty()) break;
-      } else if (in.has_finished()) {
-        finished = in.finished();
-      }
-    }
-    if (!finished.has_value()) stream->Cancel();
-    const absl::Status status = stream->Finish();
-    bool cancelled_by_rpc = false;
-    bool client_gone = client_write_failed;
-    {
-      absl::MutexLock lock(&inflight->mu);
-      cancelled_by_rpc = inflight->cancelled_by_rpc;
-      client_gone = client_gone || inflight->client_gone;
-    }
-    if (client_gone) return absl::CancelledError("client cancelled");
-
-    v1::GenerateResponse out;
-    v1::Finished* f = out.mutable_finished();
-    f->set_stop_token_id(-1);
-    if (!stop_string.empty()) {
-      f->set_reason(v1::FINISH_REASON_STOP);
-      f->set_stop_string(stop_string);
-    } else if (finished.has_value() && status.ok()) {
-      f->set_reason(ToProto(finished->reason()));
-      f->set_stop_token_id(finished->stop_token_id());
-      f->set_error_message(finished->error_message());
-      if (text.has_value()) {
-        std::string rest = text->Flush(&stop_string);
-        if (!stop_string.empty()) {
-          f->set_reason(v1::FINISH_REASON_STOP);
-          f->set_stop_string(stop_string);
-        }
-        if (request.detokenize()) f->set_text(std::move(rest));
-      }
-    } else if (cancelled_by_rpc) {
-      f->set_reason(v1::FINISH_REASON_CANCELLED);
-      f->set_error_message("cancelled by the Cancel RPC");
-    } else {
-      // The worker failed. Before any token the request can go elsewhere.
-      const bool worker_down = absl::IsUnavailable(status) || absl::IsUnknown(status) ||
-                               absl::IsInternal(status) || absl::IsAborted(status);
-      if (worker_down) registry_->MarkDead(worker->identity.worker_id, worker->incarnation);
-      if (worker_down && tokens_streamed == 0 && absl::Now() < deadline) {
-        HMOE_LOG(WARNING) << "req=" << id << " decode worker " << worker->identity.worker_id
-                          << " failed before the first token (" << status << "); retrying";
-        last_error = status;
-        continue;
-      }
-      {
+    Outcome outcome = RunAttempt(req, *routed, attempt);
+    if (!outcome.retry) {
+      if (!outcome.status.ok() && !absl::IsCancelled(outcome.status)) {
         absl::MutexLock lock(&mu_);
         ++requests_failed_;
       }
-      const std::string where = absl::StrCat("decode worker ", worker->identity.worker_id,
-                                             " after ", tokens_streamed, " tokens: ");
-      if (status.ok()) return absl::InternalError(where + "stream ended without Finished");
-      if (worker_down) return absl::UnavailableError(where + std::string(status.message()));
-      return absl::Status(status.code(), where + std::string(status.message()));
+      return outcome.status;
     }
-    f->mutable_usage()->set_completion_tokens(finished.has_value() && stop_string.empty()
-                                                  ? finished->usage().completion_tokens()
-                                                  : tokens_streamed);
-    fill_timing(f);
-    write(out);
-    return absl::OkStatus();
+    last_error = outcome.status;
   }
   {
     absl::MutexLock lock(&mu_);
     ++requests_failed_;
   }
-  return absl::UnavailableError(absl::StrCat("no decode worker could serve the request after ",
+  return absl::UnavailableError(absl::StrCat("no worker could serve the request after ",
                                              options_.max_dispatch_attempts,
                                              " attempts; last error: ", last_error.ToString()));
+}
+
+absl::Status Router::Finish(Request& req, v1::Finished f) {
+  v1::Timing* t = f.mutable_timing();
+  *t = req.timing;
+  if (req.tokens_streamed > 0) {
+    t->set_ttft_us(absl::ToInt64Microseconds(req.first_token_time - req.arrival));
+  }
+  if (req.tokens_streamed > 1) {
+    t->set_tpot_us(absl::ToInt64Microseconds(req.last_token_time - req.first_token_time) /
+                   (req.tokens_streamed - 1));
+  }
+  t->set_total_us(absl::ToInt64Microseconds(absl::Now() - req.arrival));
+  f.mutable_usage()->set_prompt_tokens(static_cast<int32_t>(req.prompt.size()));
+  v1::GenerateResponse out;
+  *out.mutable_finished() = std::move(f);
+  req.Write(out);
+  return absl::OkStatus();
+}
+
+Router::Outcome Router::CancelledOutcome(Request& req) {
+  if (req.inflight->CancelledByRpc() && !req.client_write_failed) {
+    v1::Finished f;
+    f.set_stop_token_id(-1);
+    f.set_reason(v1::FINISH_REASON_CANCELLED);
+    f.set_error_message("cancelled by the Cancel RPC");
+    f.mutable_usage()->set_completion_tokens(req.tokens_streamed);
+    return {false, Finish(req, std::move(f))};
+  }
+  return {false, absl::CancelledError("client cancelled")};
+}
+
+Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int attempt) {
+  const std::optional<WorkerView> decode = registry_->Find(route.decode_worker_id);
+  if (!decode.has_value()) {
+    return {true, absl::UnavailableError(
+                      absl::StrCat("decode worker ", route.decode_worker_id, " vanished"))};
+  }
+  req.timing.set_path(ToProto(route.path));
+  req.timing.clear_worker_ids();
+  req.timing.add_worker_ids(route.decode_worker_id);
+  req.timing.set_attempts(attempt + 1);
+  HMOE_VLOG(1) << "req=" << req.id << " " << PathName(route.path) << " decode "
+               << route.decode_worker_id << " attempt " << attempt + 1;
+
+  // --- prefill on prefill workers (SLP / DSLP)
+  std::optional<Prefilled> prefilled;
+  absl::Cleanup release_handoff = [&] {
+    if (prefilled.has_value() && !prefilled->released) ReleaseHandoff(*prefilled, req.id);
+  };
+  if (route.path != Path::kChunked) {
+    absl::StatusOr<Prefilled> p = RunPrefill(req, route, attempt);
+    if (!p.ok()) {
+      const absl::Status& s = p.status();
+      if (req.inflight->Cancelled()) return CancelledOutcome(req);
+      if (route.path == Path::kDslp && absl::IsUnimplemented(s)) {
+        HMOE_LOG(WARNING) << "req=" << req.id << " DSLP refused (" << s << "); retrying as SLP";
+        req.dslp_allowed = false;
+        return {true, s};
+      }
+      if (IsWorkerDown(s, /*cancelled_by_us=*/false) && absl::Now() < req.deadline) {
+        HMOE_LOG(WARNING) << "req=" << req.id << " prefill failed (" << s << "); retrying";
+        return {true, s};
+      }
+      return {false, s};
+    }
+    prefilled = *std::move(p);
+    for (const std::string& w : prefilled->worker_ids) req.timing.add_worker_ids(w);
+  } else {
+    req.timing.set_queue_us(absl::ToInt64Microseconds(absl::Now() - req.arrival));
+  }
+
+  // --- the decode worker's stream
+  dv1::AdmitRequest admit = req.admit;
+  if (prefilled.has_value()) {
+    *admit.mutable_kv_handle() = prefilled->kv_handle;
+    admit.set_first_token_id(prefilled->first_token_id);
+  }
+  std::shared_ptr<DecodeClient> client =
+      decode_clients_->ForEndpoint(decode->identity.endpoint, decode->incarnation);
+  std::unique_ptr<DecodeStream> stream = client->Admit(admit, req.deadline);
+  {
+    absl::MutexLock lock(&req.inflight->mu);
+    req.inflight->stream = stream.get();
+    if (req.inflight->cancelled_by_rpc || req.inflight->client_gone) stream->Cancel();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++decode_active_;
+  }
+  CountWorker(route.decode_worker_id, +1);
+  absl::Cleanup unactive = [&] {
+    {
+      absl::MutexLock lock(&req.inflight->mu);
+      req.inflight->stream = nullptr;
+    }
+    CountWorker(route.decode_worker_id, -1);
+    absl::MutexLock lock(&mu_);
+    --decode_active_;
+    last_decode_active_ = clock_->Now();
+  };
+
+  dv1::AdmitResponse in;
+  std::optional<dv1::Finished> finished;
+  while (!finished.has_value() && stream->Read(&in)) {
+    if (in.has_kv_imported()) {
+      if (!prefilled.has_value()) continue;
+      // The prefill worker's token is the first generated one; the decode worker does not stream
+      // it. A stop/EOS token ends the request there (the decode worker's Finished says so).
+      const int32_t first = prefilled->first_token_id;
+      const bool is_stop =
+          (!req.proto->ignore_eos() &&
+           std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), first) !=
+               options_.eos_token_ids.end()) ||
+          std::find(req.proto->stop_token_ids().begin(), req.proto->stop_token_ids().end(),
+                    first) != req.proto->stop_token_ids().end();
+      const bool go_on = is_stop || req.EmitToken(first);
+      ReleaseHandoff(*prefilled, req.id);
+      if (!go_on) break;
+    } else if (in.has_token()) {
+      if (!req.EmitToken(in.token().token_id())) break;
+    } else if (in.has_finished()) {
+      finished = in.finished();
+    }
+  }
+  if (!finished.has_value()) stream->Cancel();
+  const absl::Status status = stream->Finish();
+  if (req.client_write_failed || req.inflight->ClientGone()) {
+    return {false, absl::CancelledError("client cancelled")};
+  }
+
+  v1::Finished f;
+  f.set_stop_token_id(-1);
+  if (!req.stop_string.empty()) {
+    f.set_reason(v1::FINISH_REASON_STOP);
+    f.set_stop_string(req.stop_string);
+  } else if (finished.has_value() && status.ok()) {
+    f.set_reason(ToProto(finished->reason()));
+    f.set_stop_token_id(finished->stop_token_id());
+    f.set_error_message(finished->error_message());
+    if (req.text.has_value()) {
+      std::string rest = req.text->Flush(&req.stop_string);
+      if (!req.stop_string.empty()) {
+        f.set_reason(v1::FINISH_REASON_STOP);
+        f.set_stop_string(req.stop_string);
+      }
+      if (req.proto->detokenize()) f.set_text(std::move(rest));
+    }
+  } else if (req.inflight->CancelledByRpc()) {
+    return CancelledOutcome(req);
+  } else {
+    // The worker failed. Before any token the request can go elsewhere.
+    // Not cancelled by the client or the Cancel RPC (handled above) nor by a stop string.
+    const bool worker_down = IsWorkerDown(status, /*cancelled_by_us=*/false);
+    if (worker_down) registry_->MarkDead(decode->identity.worker_id, decode->incarnation);
+    if (worker_down && req.tokens_streamed == 0 && absl::Now() < req.deadline) {
+      HMOE_LOG(WARNING) << "req=" << req.id << " decode worker " << decode->identity.worker_id
+                        << " failed before the first token (" << status << "); retrying";
+      return {true, status};
+    }
+    const std::string where = absl::StrCat("decode worker ", decode->identity.worker_id, " after ",
+                                           req.tokens_streamed, " tokens: ");
+    if (status.ok()) return {false, absl::InternalError(where + "stream ended without Finished")};
+    if (worker_down) {
+      return {false, absl::UnavailableError(
+                         absl::StrCat(where, "connection lost (", status.ToString(), ")"))};
+    }
+    return {false, absl::Status(status.code(), where + std::string(status.message()))};
+  }
+  f.mutable_usage()->set_completion_tokens(finished.has_value() && req.stop_string.empty()
+                                               ? finished->usage().completion_tokens()
+                                               : req.tokens_streamed);
+  return {false, Finish(req, std::move(f))};
+}
+
+absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDecision& route,
+                                                     int attempt) {
+  if (prefill_clients_ == nullptr || route.prefill_worker_ids.empty()) {
+    return absl::FailedPreconditionError("no prefill workers");
+  }
+  const bool dslp = route.path == Path::kDslp;
+  HMOE_ASSIGN_OR_RETURN(
+      const std::vector<std::string> granted,
+      prefill_queue_.Acquire(
+          route.prefill_worker_ids, dslp ? PrefillQueue::Need::kAll : PrefillQueue::Need::kAny,
+          req.deadline, [&] { return req.inflight->Cancelled(); },
+          [&](const std::string& id) {
+            const std::optional<WorkerView> w = registry_->Find(id);
+            return w.has_value() && w->state == WorkerState::kLive;
+          }));
+  absl::Cleanup free_workers = [&] { prefill_queue_.Release(granted); };
+  req.timing.set_queue_us(absl::ToInt64Microseconds(absl::Now() - req.arrival));
+
+  std::vector<WorkerView> workers;
+  for (const std::string& id : granted) {
+    std::optional<WorkerView> w = registry_->Find(id);
+    if (!w.has_value() || w->state != WorkerState::kLive) {
+      return absl::UnavailableError(absl::StrCat("prefill worker ", id, " is gone"));
+    }
+    workers.push_back(*std::move(w));
+  }
+
+  pv1::PrefillRequest base;
+  // A retry gets a new id: the worker of the failed attempt may still hold it.
+  base.set_request_id(attempt == 0 ? req.id : absl::StrCat(req.id, ":", attempt + 1));
+  base.mutable_prompt_token_ids()->Assign(req.prompt.begin(), req.prompt.end());
+  *base.mutable_sampling() = ToDecodeSampling(req.proto->sampling());
+  std::string group;
+  if (dslp) {
+    absl::MutexLock lock(&mu_);
+    group = absl::StrCat(options_.dslp_group_prefix, "-", ++next_dslp_group_);
+  }
+  const int world = static_cast<int>(workers.size());
+  std::vector<std::unique_ptr<PrefillCall>> calls;
+  for (int rank = 0; rank < world; ++rank) {
+    pv1::PrefillRequest r = base;
+    if (dslp) {
+      pv1::DslpGroup* g = r.mutable_dslp();
+      g->set_group_id(group);
+      g->set_rank(rank);
+      g->set_world_size(world);
+      g->set_shm_group(group);
+      g->set_ep_mode(static_cast<pv1::EpMode>(options_.dslp_ep_mode));
+    }
+    calls.push_back(
+        prefill_clients_->ForEndpoint(workers[rank].identity.endpoint, workers[rank].incarnation)
+            ->Prefill(r, req.deadline));
+    CountWorker(workers[rank].identity.worker_id, +1);
+  }
+  {
+    absl::MutexLock lock(&req.inflight->mu);
+    for (auto& c : calls) req.inflight->prefill_calls.push_back(c.get());
+    if (req.inflight->cancelled_by_rpc || req.inflight->client_gone) {
+      req.inflight->CancelCallsLocked();
+    }
+  }
+  // Runs before `calls` is destroyed.
+  absl::Cleanup unregister = [&] {
+    {
+      absl::MutexLock lock(&req.inflight->mu);
+      req.inflight->prefill_calls.clear();
+    }
+    for (const WorkerView& w : workers) CountWorker(w.identity.worker_id, -1);
+  };
+
+  std::vector<absl::StatusOr<pv1::PrefillResponse>> results(
+      world, absl::UnknownError("prefill did not run"));
+  if (world == 1) {
+    results[0] = calls[0]->Wait();
+  } else {
+    // The ranks wait for each other: the first one to fail cancels the rest.
+    std::vector<std::jthread> waiters;
+    for (int rank = 0; rank < world; ++rank) {
+      waiters.emplace_back([&, rank] {
+        results[rank] = calls[rank]->Wait();
+        if (!results[rank].ok()) {
+          for (auto& c : calls) c->Cancel();
+        }
+      });
+    }
+  }  // joins
+
+  Prefilled p;
+  p.prefill_request_id = base.request_id();
+  p.worker_ids = granted;
+  for (int rank = 0; rank < world; ++rank) {
+    if (results[rank].ok() && results[rank]->has_kv_handle()) p.exports.push_back(workers[rank]);
+  }
+  // The first failure that is not the cancellation of a peer explains the outcome.
+  const absl::Status* error = nullptr;
+  int error_rank = -1;
+  for (int rank = 0; rank < world; ++rank) {
+    const absl::Status& s = results[rank].status();
+    if (s.ok()) continue;
+    if (error == nullptr || (absl::IsCancelled(*error) && !absl::IsCancelled(s))) {
+      error = &s;
+      error_rank = rank;
+    }
+  }
+  if (error == nullptr && !results[0]->has_kv_handle()) {
+    ReleaseHandoff(p, req.id);
+    return absl::InternalError(
+        absl::StrCat("prefill worker ", granted[0], " returned no kv_handle for request ", req.id));
+  }
+  if (error == nullptr && (results[0]->first_token_id() < 0 ||
+                           results[0]->first_token_id() >= options_.limits.vocab_size)) {
+    ReleaseHandoff(p, req.id);
+    return absl::InternalError(absl::StrCat("prefill worker ", granted[0], " returned token id ",
+                                            results[0]->first_token_id(),
+                                            " outside the vocabulary"));
+  }
+  if (error != nullptr) {
+    ReleaseHandoff(p, req.id);
+    const WorkerView& w = workers[error_rank];
+    if (!req.inflight->Cancelled() && IsWorkerDown(*error, /*cancelled_by_us=*/false)) {
+      registry_->MarkDead(w.identity.worker_id, w.incarnation);
+    }
+    return absl::Status(error->code(), absl::StrCat("prefill worker ", w.identity.worker_id, ": ",
+                                                    error->message()));
+  }
+  p.first_token_id = results[0]->first_token_id();
+  p.kv_handle = results[0]->kv_handle();
+  HMOE_VLOG(1) << "req=" << req.id << " prefilled on " << granted[0] << " (" << world
+               << " rank(s)), first token " << p.first_token_id;
+  return p;
+}
+
+void Router::ReleaseHandoff(Prefilled& p, const std::string& request_id) {
+  if (p.released) return;
+  p.released = true;
+  for (const WorkerView& w : p.exports) {
+    const absl::Status s =
+        prefill_clients_->ForEndpoint(w.identity.endpoint, w.incarnation)
+            ->Release(p.prefill_request_id, absl::Now() + options_.release_timeout);
+    // NOT_FOUND: the worker's export timeout (or a restart) freed it already.
+    if (!s.ok() && !absl::IsNotFound(s)) {
+      HMOE_LOG(WARNING) << "req=" << request_id << " release of the KV hand-off on prefill worker "
+                        << w.identity.worker_id << ": " << s;
+    }
+  }
 }
 
 v1::ModelInfo Router::GetModelInfo() const {
@@ -490,8 +801,8 @@ v1::RouterStatus Router::GetStatus() const {
   }
   s.set_inflight(static_cast<int32_t>(inflight_.size()));
   s.set_max_inflight(options_.max_inflight);
-  s.set_prefill_queue(0);
-  s.set_max_prefill_queue(0);
+  s.set_prefill_queue(prefill_queue_.waiting());
+  s.set_max_prefill_queue(prefill_queue_.max_waiting());
   s.set_requests_total(requests_total_);
   s.set_requests_rejected(requests_rejected_);
   s.set_requests_failed(requests_failed_);

@@ -1,23 +1,37 @@
 #pragma once
 
 // The router's request logic, independent of gRPC serving (router_service.h translates): validates
-// a Generate request, picks a path with the policy (policy.h) over the registry's live workers,
-// forwards it to a decode worker (decode_client.h) and relays the token stream, with per-request
-// timing. In-flight requests are bounded (RESOURCE_EXHAUSTED beyond max_inflight). A request whose
-// worker fails before streaming a token is retried on a live decode worker (waiting up to
-// retry_wait for one to register); after that the failure ends it with UNAVAILABLE. Client
-// cancellation (GenerateSink::IsCancelled, polled by a watcher thread) and the Cancel RPC break the
-// worker stream, which cancels the request on the worker. Thread-safe.
+// a Generate request, picks a path with the policy (policy.h) over the registry's live workers and
+// runs it:
+//   CHUNKED  the decode worker prefills the prompt itself and streams the tokens;
+//   SLP      the request waits in the FCFS prefill queue (prefill_queue.h) for a free prefill
+//   worker
+//            among the policy's candidates, which prefills the prompt and returns the first token
+//            and a KV handle; the router admits the request to the decode worker with both
+//            (AdmitRequest.kv_handle, first_token_id) and, once the decode worker acknowledges the
+//            import (KvImported), calls Release on the prefill worker; it streams the first token
+//            at that acknowledgement, then the decode worker's tokens;
+//   DSLP     the same, but every prefill worker of the decision runs the prompt together: each gets
+//            the same PrefillRequest with its DslpGroup rank; rank 0's response carries the first
+//            token and the handle. A group that answers UNIMPLEMENTED is retried as SLP.
+// Whatever fails after a prefill, the hand-off buffer is released. Per-request timing (queue, TTFT,
+// TPOT, path, workers, attempts) ends the stream.
 //
-// Not yet implemented (the prefill worker does not exist yet): SLP/DSLP forwarding and its FCFS
-// prefill queue. Until then the policy sees no prefill workers, so AUTO routes everything CHUNKED
-// and an SLP/DSLP hint gets FAILED_PRECONDITION.
+// Bounds: requests in flight (RESOURCE_EXHAUSTED beyond max_inflight) and prompts waiting for a
+// prefill worker (RESOURCE_EXHAUSTED beyond max_prefill_queue); nothing else queues in the router.
+//
+// Failures: a request that has streamed no token yet is dispatched again when a worker fails (a
+// dead worker is marked dead in the registry; the retry waits up to retry_wait for a live decode
+// worker); one that has streamed tokens ends with UNAVAILABLE naming the worker. Client
+// cancellation (GenerateSink::IsCancelled, polled by a watcher thread), the client's deadline and
+// the Cancel RPC break the worker calls, which cancels the request on the workers. Thread-safe.
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -29,6 +43,8 @@
 #include "router/clock.h"
 #include "router/decode_client.h"
 #include "router/policy.h"
+#include "router/prefill_client.h"
+#include "router/prefill_queue.h"
 #include "router/validation.h"
 #include "router/worker_registry.h"
 
@@ -44,13 +60,25 @@ struct RouterOptions {
   std::string model_name;
   int32_t bos_token_id = -1;
   int32_t eos_token_id = -1;
+  // Every EOS id of the model (config.json): a prefill worker's first token that is one of them
+  // (without ignore_eos) ends the request and is not streamed, as the decode worker does.
+  std::vector<int32_t> eos_token_ids;
   int32_t max_request_bytes = 0;
   PolicyOptions policy;
   // Requests admitted and not finished; RESOURCE_EXHAUSTED beyond.
   int32_t max_inflight = 256;
+  // Long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond.
+  int32_t max_prefill_queue = 64;
+  // DSLP groups: the shared-memory group names are "<dslp_group_prefix>-<n>" (unique per run).
+  std::string dslp_group_prefix = "hmoe-dslp";
+  // DslpGroup.ep_mode sent to the ranks (EP_MODE_UNSPECIFIED: the workers' default).
+  int32_t dslp_ep_mode = 0;
+  // Deadline of a Release call to a prefill worker.
+  absl::Duration release_timeout = absl::Seconds(5);
   // Dispatches of one request (the first plus retries while no token was streamed).
   int32_t max_dispatch_attempts = 3;
-  // How long a retry waits for a live decode worker (bounded by the request's deadline).
+  // How long a retry waits for a live decode worker (bounded by the request's deadline); also a new
+  // request while every decode worker the router knows is dead (being restarted).
   absl::Duration retry_wait = absl::Seconds(5);
   // How often client cancellation is polled.
   absl::Duration cancel_poll = absl::Milliseconds(20);
@@ -69,10 +97,11 @@ class GenerateSink {
 
 class Router {
  public:
-  // `registry`, `decode_clients`, `clock` and `tokenizer` (may be null: token ids only) must
-  // outlive the router.
+  // `registry`, `decode_clients`, `prefill_clients` (may be null: no SLP/DSLP), `clock` and
+  // `tokenizer` (may be null: token ids only) must outlive the router. `clock` drives the policy's
+  // decode-idle window and the registry; deadlines are absl::Now() times.
   Router(RouterOptions options, WorkerRegistry* registry, DecodeClientFactory* decode_clients,
-         const Tokenizer* tokenizer, const Clock* clock);
+         PrefillClientFactory* prefill_clients, const Tokenizer* tokenizer, const Clock* clock);
   ~Router();
   Router(const Router&) = delete;
   Router& operator=(const Router&) = delete;
@@ -80,7 +109,8 @@ class Router {
   // Serves one request until it ends; blocks. Errors before the first response: InvalidArgument,
   // FailedPrecondition, ResourceExhausted, AlreadyExists, Unavailable. After: the worker's error
   // (Unavailable when it died), DeadlineExceeded, or Cancelled when the client went away. A
-  // request cancelled by the Cancel RPC ends OK with FINISH_REASON_CANCELLED.
+  // request cancelled by the Cancel RPC ends OK with FINISH_REASON_CANCELLED. `deadline` is an
+  // absl::Now() time (InfiniteFuture: none); it is passed on to the workers.
   absl::Status Generate(const hmoe::v1::GenerateRequest& request, absl::Time deadline,
                         GenerateSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
   // NotFound when no request with this id is in flight.
@@ -93,19 +123,44 @@ class Router {
 
  private:
   struct Inflight;
+  struct Request;
+  struct Prefilled;
+  // How one dispatch attempt ended: done (the status is the call's), or retry elsewhere.
+  struct Outcome {
+    bool retry = false;
+    absl::Status status;
+  };
 
   absl::Status Admit(const std::string& request_id, GenerateSink* sink,
                      std::shared_ptr<Inflight>* out) ABSL_LOCKS_EXCLUDED(mu_);
   void Release(const std::shared_ptr<Inflight>& inflight) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<RouteDecision> Route(int64_t prompt_tokens, PathHintKind hint, int attempt,
-                                      absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+  // The policy's decision; waits (polling) for workers to come back where router.h says so.
+  absl::StatusOr<RouteDecision> Route(int64_t prompt_tokens, PathHintKind hint, bool dslp_allowed,
+                                      int attempt, absl::Time deadline, Inflight& inflight)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // One dispatch: prefill (SLP/DSLP) when the route says so, then the decode worker's stream.
+  Outcome RunAttempt(Request& request, const RouteDecision& route, int attempt)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits for prefill workers (FCFS) and runs the prefill; the caller releases the hand-off.
+  absl::StatusOr<Prefilled> RunPrefill(Request& request, const RouteDecision& route, int attempt)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Frees a prefill worker's hand-off buffer (best effort: failures are logged).
+  void ReleaseHandoff(Prefilled& prefilled, const std::string& request_id);
+  // How a request cancelled by the Cancel RPC (Finished CANCELLED, OK) or by its client
+  // (CANCELLED) ends.
+  Outcome CancelledOutcome(Request& request);
+  // Writes the Finished message ending a request.
+  absl::Status Finish(Request& request, hmoe::v1::Finished finished);
+  void CountWorker(const std::string& worker_id, int delta) ABSL_LOCKS_EXCLUDED(mu_);
   void WatchCancellations() ABSL_LOCKS_EXCLUDED(mu_);
 
   const RouterOptions options_;
   WorkerRegistry* const registry_;
   DecodeClientFactory* const decode_clients_;
+  PrefillClientFactory* const prefill_clients_;
   const Tokenizer* const tokenizer_;
   const Clock* const clock_;
+  PrefillQueue prefill_queue_;
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Inflight>> inflight_ ABSL_GUARDED_BY(mu_);
@@ -113,6 +168,7 @@ class Router {
   int32_t decode_active_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<absl::Time> last_decode_active_ ABSL_GUARDED_BY(mu_);
   int64_t next_request_number_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t next_dslp_group_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t requests_total_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t requests_rejected_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t requests_failed_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,32 +1,128 @@
 #!/usr/bin/env bash
-# The README's first command: installs dependencies, builds, creates the `small` demo checkpoint and
-# shows a real generation from it.
+# The README's first command: on a fresh clone, installs the dependencies, builds, writes the
+# `small` demo checkpoint, starts the whole service under supervisord (hmoe-weightd, the prefill
+# worker(s) when hmoe-prefill-worker is built, hmoe-decode-worker, hmoe-router; the CPU backend when
+# the machine has no GPU), waits until it serves, sends a generation through the router's public
+# gRPC API with the bundled client (`hmoe generate`), prints the streamed text with TTFT/TPOT, and
+# stops everything again.
 #
-# Interim form (issue #6 turns this into the whole service under supervisord): the router and the
-# worker processes are not wired into a deployment yet, so this runs the reference forward pass
-# (hmoe-generate) on the demo model. Environment: HMOE_BUILD_ROOT (default <repo>/build),
-# HMOE_MODEL_DIR (default <repo>/out/small), HMOE_PROMPT, HMOE_MAX_NEW_TOKENS.
+# Environment:
+#   HMOE_BUILD_ROOT      build trees (default <repo>/build; this script uses <root>/quickstart)
+#   HMOE_MODEL_DIR       the demo checkpoint (default <repo>/out/small; written when missing)
+#   HMOE_DEPLOY_DIR      supervisord.conf, logs (default <repo>/out/quickstart)
+#   HMOE_PORT            the router's port on 127.0.0.1 (default 50051)
+#   HMOE_PROMPT          the prompt (default "The quick brown fox")
+#   HMOE_MAX_NEW_TOKENS  tokens to generate (default 32)
+#   HMOE_KEEP_RUNNING=1  leave the service running (the script prints how to stop it)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BUILD="${HMOE_BUILD_ROOT:-$ROOT/build}/cpu"
+BUILD="${HMOE_BUILD_ROOT:-$ROOT/build}/quickstart"
 MODEL="${HMOE_MODEL_DIR:-$ROOT/out/small}"
+DEPLOY="${HMOE_DEPLOY_DIR:-$ROOT/out/quickstart}"
+PORT="${HMOE_PORT:-50051}"
 PROMPT="${HMOE_PROMPT:-The quick brown fox}"
-MAX_NEW="${HMOE_MAX_NEW_TOKENS:-24}"
+MAX_NEW="${HMOE_MAX_NEW_TOKENS:-32}"
 start=$SECONDS
+say() { echo "quickstart [$((SECONDS - start)) s]: $*"; }
 
 "$ROOT/scripts/setup-deps.sh"
-echo "quickstart: building (CPU backend) in $BUILD"
-cmake -S "$ROOT" -B "$BUILD" -G Ninja -DHMOE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$BUILD" --target hmoe-make-model hmoe-generate -j "$(nproc)"
 
+# --- build (CUDA only when a GPU is present: the CPU backend otherwise)
+GPUS=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  GPUS=$(nvidia-smi -L | grep -c '^GPU ')
+fi
+CUDA=OFF
+[[ $GPUS -gt 0 ]] && CUDA=AUTO
+say "building in $BUILD (GPUs: $GPUS, CUDA backend: $CUDA)"
+if [[ -z "${CCACHE_DIR:-}" && -d "$HOME/.cache/ccache" ]]; then export CCACHE_DIR="$HOME/.cache/ccache"; fi
+export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1
+cmake -S "$ROOT" -B "$BUILD" -G Ninja -DHMOE_CUDA=$CUDA -DHMOE_BUILD_BENCHMARKS=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+TARGETS=(hmoe-weightd hmoe-decode-worker hmoe-router hmoe hmoe-make-model)
+if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^hmoe-prefill-worker:'; then
+  TARGETS+=(hmoe-prefill-worker)
+fi
+cmake --build "$BUILD" --target "${TARGETS[@]}" -j "$(nproc)"
+HMOE="$BUILD/tools/hmoe"
+
+# --- the demo checkpoint (random weights, a real tokenizer)
 if [[ ! -f "$MODEL/config.json" ]]; then
-  echo "quickstart: writing the small demo checkpoint to $MODEL"
+  say "writing the small demo checkpoint to $MODEL"
   mkdir -p "$(dirname "$MODEL")"
   "$BUILD/tools/hmoe-make-model" --preset small --out "$MODEL"
 fi
 
-echo "quickstart: generating $MAX_NEW tokens for: \"$PROMPT\""
-"$BUILD/tools/hmoe-generate" --model "$MODEL" --prompt "$PROMPT" --max-new-tokens "$MAX_NEW"
-echo "quickstart: done in $((SECONDS - start)) s (the demo model has random weights: the text is"
-echo "            gibberish by design; the token ids are deterministic)"
+# --- the service under supervisord
+CONF="$DEPLOY/supervisord.conf"
+RUN_DIR="$DEPLOY/run"
+if [[ ${#RUN_DIR} -gt 80 ]]; then RUN_DIR="/tmp/hmoe-quickstart-$(id -u)"; fi  # unix socket paths
+if [[ -f "$CONF" ]] && supervisorctl -c "$CONF" status >/dev/null 2>&1; then
+  say "stopping the service a previous quickstart left running"
+  old_pid=$(cat "$RUN_DIR/supervisord.pid" 2>/dev/null || true)
+  supervisorctl -c "$CONF" shutdown >/dev/null || true
+  for _ in $(seq 1 300); do
+    [[ -n "$old_pid" ]] && kill -0 "$old_pid" 2>/dev/null || break
+    sleep 0.2
+  done
+fi
+"$HMOE" deploy --model "$MODEL" --out "$DEPLOY" --run-dir "$RUN_DIR" --gpus "$GPUS" \
+  --listen "127.0.0.1:$PORT" --instance quickstart --weightd-args=--remove-on-exit
+supervisord -c "$CONF"
+# Stops every program (SIGTERM; each drains and exits) and supervisord, and waits for it.
+stop_service() {
+  local pid
+  pid=$(cat "$RUN_DIR/supervisord.pid" 2>/dev/null || true)
+  supervisorctl -c "$CONF" shutdown >/dev/null 2>&1 || true
+  for _ in $(seq 1 300); do
+    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  echo "quickstart: service stopped"
+}
+if [[ "${HMOE_KEEP_RUNNING:-0}" != 1 ]]; then trap stop_service EXIT; fi
+
+say "waiting for the router and a live decode worker"
+ready=0
+for _ in $(seq 1 600); do
+  if "$HMOE" status --addr "127.0.0.1:$PORT" --timeout-s 2 2>/dev/null | grep -qE 'DECODE +LIVE'; then
+    ready=1
+    break
+  fi
+  # A program that cannot start (weightd, decode worker, router; a prefill worker is optional here:
+  # the demo prompt is short) ends the wait.
+  if supervisorctl -c "$CONF" status | grep -E '^(weightd|decode|router) ' | grep -qE 'FATAL|BACKOFF'; then
+    break
+  fi
+  sleep 0.5
+done
+if [[ $ready != 1 ]]; then
+  supervisorctl -c "$CONF" status || true
+  for log in "$DEPLOY"/logs/{weightd,decode,router}.log; do
+    echo "--- $log"
+    tail -n 20 "$log" 2>/dev/null || true
+  done
+  say "the service did not come up (logs above, all logs in $DEPLOY/logs)"
+  exit 1
+fi
+"$HMOE" health --addr "127.0.0.1:$PORT"
+"$HMOE" status --addr "127.0.0.1:$PORT"
+
+say "generating $MAX_NEW tokens through the router for: \"$PROMPT\""
+echo "-----"
+"$HMOE" generate --addr "127.0.0.1:$PORT" --prompt "$PROMPT" --max-new-tokens "$MAX_NEW" \
+  --ignore-eos
+echo "-----"
+say "done (the demo model has random weights: the text is gibberish by design; greedy tokens are"
+echo "            deterministic). Logs: $DEPLOY/logs/"
+if [[ "${HMOE_KEEP_RUNNING:-0}" == 1 ]]; then
+  echo "The service keeps running on 127.0.0.1:$PORT. Try:"
+  echo "  $HMOE generate --addr 127.0.0.1:$PORT --prompt \"Hello\" --max-new-tokens 16"
+  echo "  supervisorctl -c $CONF status"
+  echo "Stop it with:"
+  echo "  supervisorctl -c $CONF shutdown"
+else
+  echo "Stopping the service (run with HMOE_KEEP_RUNNING=1 to keep it; it is then stopped with"
+  echo "  supervisorctl -c $CONF shutdown)"
+fi

@@ -1,13 +1,18 @@
-// hmoe: command-line client of hmoe-router (proto/hmoe_v1.proto).
+// hmoe: command-line client of hmoe-router (proto/hmoe_v1.proto), and the node deployment writer.
 //   hmoe generate --addr 127.0.0.1:50051 --prompt "Hello" --max-new-tokens 32
 //   hmoe generate --addr ... --prompt-ids 1,2,3 --max-new-tokens 8
 //   hmoe status --addr ...
-//   hmoe health --addr ...
-// Flags accept dashes or underscores. Streams tokens (text when the router has a tokenizer) to
-// stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path) on stderr.
+//   hmoe health --addr ... [--service NAME] [--wait-s S]
+//   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
+// Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
+// tokenizer) to stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path)
+// on stderr. `health` works against any gRPC server with the standard health service (router,
+// workers, weightd: --addr unix:/path.sock); with --wait-s it polls until SERVING. `deploy`
+// writes a supervisord configuration for this node (tools/deploy_config.h, deploy/README.md).
 // Exit code: 0 on success, 1 on an RPC error (its status is printed), 2 on bad usage.
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <iterator>
 #include <string>
@@ -25,6 +30,7 @@
 
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
+#include "tools/deploy_config.h"
 
 ABSL_FLAG(std::string, addr, "127.0.0.1:50051", "router address");
 ABSL_FLAG(std::string, prompt, "", "prompt text (needs a router started with --model)");
@@ -42,6 +48,27 @@ ABSL_FLAG(std::string, hint, "auto", "path hint: auto, chunked, slp or dslp");
 ABSL_FLAG(std::string, request_id, "", "request id (default: the router picks one)");
 ABSL_FLAG(bool, ignore_eos, false, "do not stop at EOS");
 ABSL_FLAG(double, timeout_s, 300, "deadline of the call");
+ABSL_FLAG(std::string, service, "", "health: the service to check (\"\": the server as a whole)");
+ABSL_FLAG(double, wait_s, 0, "health: poll until SERVING for up to this long (0: check once)");
+// deploy
+ABSL_FLAG(std::string, model, "", "deploy: checkpoint directory");
+ABSL_FLAG(std::string, out, "", "deploy: directory for supervisord.conf (run/ and logs/ inside)");
+ABSL_FLAG(std::string, run_dir, "", "deploy: sockets directory (default <out>/run; made 0700)");
+ABSL_FLAG(std::string, log_dir, "", "deploy: logs directory (default <out>/logs)");
+ABSL_FLAG(int, gpus, 0, "deploy: GPUs of the node (0: CPU only)");
+ABSL_FLAG(int, prefill_workers, -1,
+          "deploy: prefill workers (-1: one per GPU; one CPU worker without GPUs when the "
+          "hmoe-prefill-worker binary exists)");
+ABSL_FLAG(std::string, instance, "hmoe", "deploy: weightd instance name");
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "deploy: the router's public address");
+ABSL_FLAG(std::string, bin_dir, "",
+          "deploy: where the executables are (a bin directory or a CMake build tree; default: "
+          "next to this hmoe)");
+ABSL_FLAG(int, drain_seconds, 30, "deploy: drain time of each process on SIGTERM");
+ABSL_FLAG(std::string, weightd_args, "", "deploy: extra hmoe-weightd flags (space-separated)");
+ABSL_FLAG(std::string, prefill_args, "", "deploy: extra hmoe-prefill-worker flags");
+ABSL_FLAG(std::string, decode_args, "", "deploy: extra hmoe-decode-worker flags");
+ABSL_FLAG(std::string, router_args, "", "deploy: extra hmoe-router flags");
 
 namespace {
 
@@ -82,13 +109,76 @@ int Fail(const std::string& what, const grpc::Status& s) {
 }
 
 int Health(const std::shared_ptr<grpc::Channel>& channel) {
+  using grpc::health::v1::HealthCheckResponse;
   auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::health::v1::HealthCheckRequest req;
-  grpc::health::v1::HealthCheckResponse resp;
-  const grpc::Status s = stub->Check(Context().get(), req, &resp);
-  if (!s.ok()) return Fail("health", s);
-  std::cout << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
-  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+  req.set_service(absl::GetFlag(FLAGS_service));
+  const absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_wait_s));
+  while (true) {
+    HealthCheckResponse resp;
+    grpc::ClientContext ctx;
+    // A short deadline per check when waiting, so a server that is not up yet is retried.
+    const absl::Duration per_call = absl::GetFlag(FLAGS_wait_s) > 0
+                                        ? absl::Seconds(2)
+                                        : absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + per_call));
+    const grpc::Status s = stub->Check(&ctx, req, &resp);
+    const bool serving = s.ok() && resp.status() == HealthCheckResponse::SERVING;
+    if (serving || absl::Now() >= until) {
+      if (!s.ok()) return Fail("health", s);
+      std::cout << HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
+      return serving ? 0 : 1;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+std::vector<std::string> SplitArgs(const std::string& flag) {
+  return absl::StrSplit(flag, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+}
+
+int Deploy(const char* argv0) {
+  hmoe::deploy::DeployOptions o;
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  o.out_dir = absl::GetFlag(FLAGS_out);
+  if (o.model_dir.empty() || o.out_dir.empty()) {
+    std::cerr << "deploy: --model DIR and --out DIR are required\n";
+    return 2;
+  }
+  o.run_dir = absl::GetFlag(FLAGS_run_dir);
+  o.log_dir = absl::GetFlag(FLAGS_log_dir);
+  o.gpus = absl::GetFlag(FLAGS_gpus);
+  o.prefill_workers = absl::GetFlag(FLAGS_prefill_workers);
+  o.instance = absl::GetFlag(FLAGS_instance);
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  o.weightd_args = SplitArgs(absl::GetFlag(FLAGS_weightd_args));
+  o.prefill_args = SplitArgs(absl::GetFlag(FLAGS_prefill_args));
+  o.decode_args = SplitArgs(absl::GetFlag(FLAGS_decode_args));
+  o.router_args = SplitArgs(absl::GetFlag(FLAGS_router_args));
+  std::vector<std::string> search;
+  if (!absl::GetFlag(FLAGS_bin_dir).empty()) {
+    search.push_back(absl::GetFlag(FLAGS_bin_dir));
+  } else {
+    std::error_code ec;
+    std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (ec) self = argv0;
+    search.push_back(self.parent_path().string());
+  }
+  o.bin = hmoe::deploy::FindBinaries(search);
+  absl::StatusOr<hmoe::deploy::DeployOptions> written = hmoe::deploy::WriteDeployment(o);
+  if (!written.ok()) {
+    std::cerr << "deploy: " << written.status().message() << "\n";
+    return absl::IsInvalidArgument(written.status()) ? 2 : 1;
+  }
+  const std::string conf = written->out_dir + "/supervisord.conf";
+  std::cout << "wrote " << conf << " (weightd, " << written->prefill_workers
+            << " prefill worker(s), decode worker, router on " << written->listen << ")\n"
+            << "  start:   supervisord -c " << conf << "\n"
+            << "  status:  supervisorctl -c " << conf << " status\n"
+            << "  stop:    supervisorctl -c " << conf << " shutdown\n"
+            << "  logs:    " << written->log_dir << "/\n";
+  return 0;
 }
 
 int Status(v1::Hmoe::Stub* stub) {
@@ -216,18 +306,20 @@ int main(int argc, char** argv) {
   }
   absl::SetProgramUsageMessage(
       "hmoe generate|status|health --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
-      "[--max-new-tokens N]");
+      "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
+      "[--prefill-workers N]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
-    std::cerr << "usage: hmoe generate|status|health [flags] (--help for flags)\n";
+    std::cerr << "usage: hmoe generate|status|health|deploy [flags] (--help for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
+  if (command == "deploy") return Deploy(argv[0]);
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_addr), grpc::InsecureChannelCredentials());
   auto stub = v1::Hmoe::NewStub(channel);
   if (command == "generate") return Generate(stub.get());
   if (command == "status") return Status(stub.get());
   if (command == "health") return Health(channel);
-  std::cerr << "unknown command " << command << "; use generate, status or health\n";
+  std::cerr << "unknown command " << command << "; use generate, status, health or deploy\n";
   return 2;
 }

@@ -2,11 +2,13 @@
 // registry on a unix socket in an owner-only directory; this test plays a decode worker (the real
 // proto/decode.proto service, echoing the prompt ids) that registers through that socket. Checks
 // health, status, a streamed generation through the router, a validation error's exit code and
-// message, and a clean SIGTERM exit. Binary paths come from $<TARGET_FILE:...>.
+// message, server reflection (what grpcurl uses), and a clean SIGTERM exit. Binary paths come from
+// $<TARGET_FILE:...>.
 
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <memory>
@@ -16,9 +18,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/descriptor.pb.h"
 #include <grpcpp/grpcpp.h>
 
 #include "proto/decode.grpc.pb.h"
+#include "proto/reflection.grpc.pb.h"
 #include "proto/worker_registry.grpc.pb.h"
 #include "tests/integration/child_process.h"
 
@@ -156,6 +160,38 @@ TEST_F(RouterProcessTest, ServesHealthStatusAndGenerationThroughAFakeWorker) {
   r = Client({"generate", addr, "--prompt-ids", "7,5000", "--max-new-tokens", "4"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(absl::StrContains(r.err, "INVALID_ARGUMENT: prompt_token_ids[1]")) << r.err;
+
+  // Server reflection (what `grpcurl list` / `grpcurl describe` use): the services, and the
+  // descriptor of the public API.
+  namespace refl = grpc::reflection::v1alpha;
+  auto reflection = refl::ServerReflection::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext rctx;
+  rctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  auto stream = reflection->ServerReflectionInfo(&rctx);
+  refl::ServerReflectionRequest list;
+  list.set_list_services("");
+  ASSERT_TRUE(stream->Write(list));
+  refl::ServerReflectionResponse listed;
+  ASSERT_TRUE(stream->Read(&listed));
+  std::vector<std::string> services;
+  for (const auto& svc : listed.list_services_response().service()) services.push_back(svc.name());
+  EXPECT_NE(std::find(services.begin(), services.end(), "hmoe.v1.Hmoe"), services.end());
+  EXPECT_NE(std::find(services.begin(), services.end(), "grpc.health.v1.Health"), services.end());
+  refl::ServerReflectionRequest describe;
+  describe.set_file_containing_symbol("hmoe.v1.Hmoe");
+  ASSERT_TRUE(stream->Write(describe));
+  refl::ServerReflectionResponse described;
+  ASSERT_TRUE(stream->Read(&described));
+  ASSERT_GT(described.file_descriptor_response().file_descriptor_proto_size(), 0)
+      << described.DebugString();
+  google::protobuf::FileDescriptorProto file;
+  ASSERT_TRUE(file.ParseFromString(described.file_descriptor_response().file_descriptor_proto(0)));
+  EXPECT_EQ(file.package(), "hmoe.v1");
+  ASSERT_EQ(file.service_size(), 1);
+  EXPECT_EQ(file.service(0).name(), "Hmoe");
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
 
   absl::StatusOr<int> code = router->Terminate(std::chrono::seconds(30));
   ASSERT_TRUE(code.ok()) << code.status();

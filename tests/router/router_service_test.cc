@@ -26,9 +26,11 @@
 #include "common/model/tokenizer_builder.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
+#include "proto/prefill.grpc.pb.h"
 #include "router/clock.h"
 #include "router/decode_client.h"
 #include "router/grpc_status.h"
+#include "router/prefill_client.h"
 #include "router/registry_service.h"
 #include "router/router.h"
 #include "router/worker_registry.h"
@@ -41,6 +43,7 @@ namespace {
 
 namespace v1 = hmoe::v1;
 namespace dv1 = hmoe::decode::v1;
+namespace pv1 = hmoe::prefill::v1;
 using testing::FakeFactory;
 using testing::Script;
 using testing::WorkerLog;
@@ -53,8 +56,9 @@ class RouterServiceTest : public ::testing::Test {
       options.limits = {.vocab_size = 1000, .context_length = 512};
     options.retry_wait = retry_wait_;
     options.cancel_poll = absl::Milliseconds(5);
-    router_ = std::make_unique<Router>(
-        options, &registry_, factory != nullptr ? factory : &factory_, tokenizer, &clock_);
+    router_ =
+        std::make_unique<Router>(options, &registry_, factory != nullptr ? factory : &factory_,
+                                 prefill_factory_, tokenizer, &clock_);
     service_ = std::make_unique<RouterService>(router_.get());
     registry_service_ = std::make_unique<RegistryService>(&registry_);
     grpc::ServerBuilder builder;
@@ -117,6 +121,7 @@ class RouterServiceTest : public ::testing::Test {
   }
 
   absl::Duration retry_wait_ = absl::Milliseconds(200);
+  PrefillClientFactory* prefill_factory_ = nullptr;
   FakeClock clock_;
   WorkerRegistry registry_{&clock_, {}};
   FakeFactory factory_;
@@ -451,6 +456,16 @@ class EchoDecodeService final : public dv1::DecodeService::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt_token_ids: empty");
     }
     dv1::AdmitResponse r;
+    if (request->has_kv_handle()) {
+      {
+        absl::MutexLock lock(&mu_);
+        handles_.push_back(request->kv_handle().shm_name());
+        first_tokens_.push_back(request->first_token_id());
+      }
+      r.mutable_kv_imported()->set_num_tokens(request->kv_handle().num_tokens());
+      writer->Write(r);
+      r.Clear();
+    }
     for (int i = 0; i < request->prompt_token_ids_size(); ++i) {
       r.mutable_token()->set_token_id(request->prompt_token_ids(i));
       r.mutable_token()->set_index(i);
@@ -461,6 +476,50 @@ class EchoDecodeService final : public dv1::DecodeService::Service {
     writer->Write(r);
     return grpc::Status::OK;
   }
+  std::vector<std::string> handles() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return handles_;
+  }
+  std::vector<int32_t> first_tokens() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return first_tokens_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> handles_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> first_tokens_ ABSL_GUARDED_BY(mu_);
+};
+
+// A prefill worker speaking the real protocol (proto/prefill.proto): the first token is the
+// prompt's length, the handle names the request; Release is recorded.
+class FakePrefillService final : public pv1::PrefillService::Service {
+ public:
+  grpc::Status Prefill(grpc::ServerContext*, const pv1::PrefillRequest* request,
+                       pv1::PrefillResponse* response) override {
+    if (request->has_dslp()) {
+      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "dslp: not implemented");
+    }
+    response->set_first_token_id(request->prompt_token_ids_size());
+    response->mutable_kv_handle()->set_shm_name("kv-" + request->request_id());
+    response->mutable_kv_handle()->set_num_tokens(request->prompt_token_ids_size());
+    response->set_prompt_tokens(request->prompt_token_ids_size());
+    return grpc::Status::OK;
+  }
+  grpc::Status Release(grpc::ServerContext*, const pv1::ReleaseRequest* request,
+                       pv1::ReleaseResponse*) override {
+    absl::MutexLock lock(&mu_);
+    released_.push_back(request->request_id());
+    return grpc::Status::OK;
+  }
+  std::vector<std::string> released() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return released_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> released_ ABSL_GUARDED_BY(mu_);
 };
 
 std::string TempSocketDir() {
@@ -503,6 +562,65 @@ TEST_F(RouterServiceTest, GrpcDecodeClientToADeadWorkerIsUnavailable) {
       absl::StrContains(r.status.error_message(), "no live decode worker (after UNAVAILABLE"))
       << r.status.error_message();
   EXPECT_EQ(registry_.Find("gone")->state, WorkerState::kDead);
+}
+
+TEST_F(RouterServiceTest, GrpcPrefillClientRunsTheHandoffThroughRealServices) {
+  const std::string dir = TempSocketDir();
+  const std::string decode_socket = dir + "/handoff-decode.sock";
+  const std::string prefill_socket = dir + "/handoff-prefill.sock";
+  unlink(decode_socket.c_str());
+  unlink(prefill_socket.c_str());
+  EchoDecodeService decode;
+  FakePrefillService prefill;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + decode_socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&decode);
+  std::unique_ptr<grpc::Server> decode_server = builder.BuildAndStart();
+  ASSERT_NE(decode_server, nullptr);
+  grpc::ServerBuilder prefill_builder;
+  prefill_builder.AddListeningPort("unix:" + prefill_socket, grpc::InsecureServerCredentials());
+  prefill_builder.RegisterService(&prefill);
+  std::unique_ptr<grpc::Server> prefill_server = prefill_builder.BuildAndStart();
+  ASSERT_NE(prefill_server, nullptr);
+
+  std::unique_ptr<DecodeClientFactory> decode_factory = NewGrpcDecodeClientFactory();
+  std::unique_ptr<PrefillClientFactory> prefill_factory = NewGrpcPrefillClientFactory();
+  prefill_factory_ = prefill_factory.get();
+  RouterOptions options;
+  options.policy.chunk_threshold_tokens = 8;
+  Start(options, nullptr, decode_factory.get());
+  AddDecodeWorker("decode", {}, "unix:" + decode_socket);
+  WorkerIdentity w;
+  w.worker_id = "prefill";
+  w.kind = WorkerKind::kPrefill;
+  w.endpoint = "unix:" + prefill_socket;
+  w.device = "cuda:1";
+  ASSERT_TRUE(registry_.Register(w).ok());
+
+  v1::GenerateRequest req = Request(12);
+  req.set_request_id("handoff");
+  const Result r = Generate(req);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  // The prefill worker's first token (12), then the decode worker's echo of the prompt.
+  std::vector<int32_t> want = {12};
+  for (int i = 0; i < 12; ++i) want.push_back(10 + i);
+  EXPECT_EQ(r.tokens(), want);
+  EXPECT_EQ(r.finished()->timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(decode.handles(), (std::vector<std::string>{"kv-handoff"}));
+  EXPECT_EQ(decode.first_tokens(), (std::vector<int32_t>{12}));
+  EXPECT_EQ(prefill.released(), (std::vector<std::string>{"handoff"}));
+
+  // A prefill worker that is gone: the request is retried on the chunked path.
+  prefill_server->Shutdown();
+  unlink(prefill_socket.c_str());
+  req.set_request_id("after");
+  const Result after = Generate(req);
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.finished()->timing().path(), v1::PATH_CHUNKED);
+  EXPECT_EQ(after.finished()->timing().attempts(), 2);
+  EXPECT_EQ(registry_.Find("prefill")->state, WorkerState::kDead);
+  decode_server->Shutdown();
+  unlink(decode_socket.c_str());
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ class RouterThreadsTest : public ::testing::Test {
     options.limits = {.vocab_size = 1000, .context_length = 512};
     options.cancel_poll = absl::Milliseconds(2);
     options.retry_wait = absl::Milliseconds(100);
-    router_ = std::make_unique<Router>(options, &registry_, &factory_, nullptr, &clock_);
+    router_ = std::make_unique<Router>(options, &registry_, &factory_, nullptr, nullptr, &clock_);
   }
   void AddDecodeWorker(const std::string& id, Script script) {
     factory_.Set("fake:" + id, std::move(script));
@@ -160,6 +160,38 @@ TEST_F(RouterThreadsTest, DuplicateInflightIdIsAlreadyExists) {
   EXPECT_TRUE(router_->Cancel("same").ok());
   request.join();
   EXPECT_TRUE(result.ok()) << result;
+}
+
+TEST_F(RouterThreadsTest, NewRequestWaitsForARestartingDecodeWorkerAndCanBeCancelled) {
+  RouterOptions options;
+  options.limits = {.vocab_size = 1000, .context_length = 512};
+  options.cancel_poll = absl::Milliseconds(2);
+  options.retry_wait = absl::Seconds(60);
+  router_ = std::make_unique<Router>(options, &registry_, &factory_, nullptr, nullptr, &clock_);
+  AddDecodeWorker("d0", {.tokens = {4}});
+  registry_.MarkDead("d0", 1);  // known, but being restarted
+  CollectingSink sink;
+  absl::Status result;
+  std::jthread request(
+      [&] { result = router_->Generate(Request("w"), absl::InfiniteFuture(), &sink); });
+  WaitForInflight(1);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE(sink.responses().empty());  // waiting, not failed
+  EXPECT_TRUE(router_->Cancel("w").ok());
+  request.join();
+  EXPECT_TRUE(result.ok()) << result;
+  ASSERT_FALSE(sink.responses().empty());
+  EXPECT_EQ(sink.responses().back().finished().reason(), v1::FINISH_REASON_CANCELLED);
+
+  // And a request that waits gets served once the worker is back.
+  CollectingSink served;
+  std::jthread second(
+      [&] { result = router_->Generate(Request("x"), absl::InfiniteFuture(), &served); });
+  WaitForInflight(1);
+  ASSERT_TRUE(registry_.Heartbeat("d0", {}).ok());  // alive again
+  second.join();
+  EXPECT_TRUE(result.ok()) << result;
+  EXPECT_EQ(served.responses().size(), 2u);
 }
 
 TEST_F(RouterThreadsTest, DrainingRejectsNewRequests) {

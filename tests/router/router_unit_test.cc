@@ -345,6 +345,36 @@ TEST_F(PolicyTest, InfeasibleHintsAreFailedPrecondition) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
 }
 
+TEST_F(PolicyTest, CpuDevicesShareUnlessConfigured) {
+  PolicyInput in = Input(5000);
+  in.decode_active_now = true;
+  in.decode_workers = {Worker("decode", WorkerKind::kDecode, "cpu")};
+  in.prefill_workers = {Worker("prefill0", WorkerKind::kPrefill, "cpu")};
+  absl::StatusOr<RouteDecision> d = Decide(in);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->path, Path::kChunked);
+  options_.cpu_devices_shared = false;
+  d = Decide(in);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->path, Path::kSlp);
+  EXPECT_EQ(d->prefill_worker_ids, (std::vector<std::string>{"prefill0"}));
+  // GPUs with equal names still share.
+  EXPECT_TRUE(SharesDevice("cuda:0", "cuda:0", options_));
+  EXPECT_FALSE(SharesDevice("cuda:0", "cuda:1", options_));
+  EXPECT_FALSE(SharesDevice("cpu", "cpu", options_));
+}
+
+TEST_F(PolicyTest, WithoutDslpTheIdleCaseIsSlpOverEveryPrefillWorker) {
+  PolicyInput in = Input(5000);
+  in.dslp_allowed = false;
+  absl::StatusOr<RouteDecision> d = Decide(in);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->path, Path::kSlp);
+  EXPECT_EQ(d->prefill_worker_ids, (std::vector<std::string>{"prefill0", "prefill1"}));
+  in.hint = PathHintKind::kDslp;
+  EXPECT_EQ(Decide(in).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(PolicyTest, DecodeWorkerWithLeastLoadIsPicked) {
   PolicyInput in = Input(10);
   in.decode_workers = {Worker("a", WorkerKind::kDecode, "cuda:0", 5),
