@@ -896,8 +896,9 @@ TEST_F(RouterStackTest, EveryBadInputGetsTheRightStatusOverTheWire) {
   EXPECT_GE(st.requests_rejected(), 1);
 
   // The client's deadline ends the call with DEADLINE_EXCEEDED and reaches the decode worker,
-  // which frees the request.
-  const Stream late = c.Generate(Greedy("late", Prompt(4, 5), 900), absl::Milliseconds(300));
+  // which frees the request. (900 tokens take ~0.2 s on tiny with one thread: the deadline must be
+  // well below that, and well above the router's dispatch time, ~1 ms.)
+  const Stream late = c.Generate(Greedy("late", Prompt(4, 5), 900), absl::Milliseconds(50));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
       << late.status.error_message();
   // A client that goes away mid-stream: the router cancels the worker stream.
