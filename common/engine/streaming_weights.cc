@@ -142,8 +142,7 @@ StreamingWeights::~StreamingWeights() {
 absl::StatusOr<std::unique_ptr<StreamingWeights>> StreamingWeights::Create(
     const ModelConfig& config, const WeightSource& source, Device& device,
     const StreamingWeightsOptions& options) {
-  if (options.ring_slots < 0 || options.budget_bytes == 0 ||
-      options.stall_timeout <= absl::ZeroDuration()) {
+  if (options.ring_slots < 0 || options.stall_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
         absl::StrCat("streaming weights: bad options (ring_slots ", options.ring_slots,
                      ", budget_bytes ", options.budget_bytes, ", stall_timeout ",
@@ -154,7 +153,9 @@ absl::StatusOr<std::unique_ptr<StreamingWeights>> StreamingWeights::Create(
   w->host_device_ = NewCpuDevice();
   HMOE_ASSIGN_OR_RETURN(w->host_, ResidentWeights::Create(config, source, *w->host_device_));
   HMOE_RETURN_IF_ERROR(w->Plan(config));
-  const size_t budget = AlignUp(options.budget_bytes, StreamArena::kAlignment);
+  const size_t budget = options.budget_bytes == 0
+                            ? std::max(kDefaultStreamBudgetBytes, w->largest_budget_module_)
+                            : AlignUp(options.budget_bytes, StreamArena::kAlignment);
   for (const auto& m : w->modules_) {
     if (!m->ring && m->bytes > budget) {
       return absl::InvalidArgumentError(absl::StrCat(

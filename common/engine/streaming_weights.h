@@ -55,13 +55,17 @@
 
 namespace hmoe {
 
+// The paper's "fixed budget of about 1 GB" for the non-expert tensors.
+inline constexpr size_t kDefaultStreamBudgetBytes = size_t{1} << 30;
+
 struct StreamingWeightsOptions {
   // Experts ring length in slots (>= 1). 0: the number of routed experts loaded per layer (the
   // paper's short-prompt setting: the whole next layer may be staged ahead).
   int64_t ring_slots = 0;
   // Device bytes for the modules outside the ring (attention blocks, dense MLPs, shared experts,
-  // the head). Every such module must fit on its own: InvalidArgument at Create otherwise.
-  size_t budget_bytes = size_t{1} << 30;
+  // the head). Every such module must fit on its own: InvalidArgument at Create otherwise. 0:
+  // kDefaultStreamBudgetBytes, raised to the largest such module when that is larger.
+  size_t budget_bytes = kDefaultStreamBudgetBytes;
   // Which routed experts this provider streams (a DSLP rank: its own); null: all. The engine's
   // Acquire of an expert that is not loaded fails with FailedPrecondition.
   std::function<bool(int64_t layer, int64_t expert)> load_expert = nullptr;
