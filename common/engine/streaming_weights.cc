@@ -301,6 +301,8 @@ absl::Status StreamingWeights::BeginPrefill(int64_t num_passes) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (running_) return absl::FailedPreconditionError("streaming weights: prefill already runs");
+    // EndPrefill left both threads idle; make sure before resetting what they use.
+    cv_.wait(lock, [&] { return !loader_busy_ && !unloader_busy_; });
     if (ring_ == nullptr && ring_slot_bytes_ > 0) {
       return absl::FailedPreconditionError("streaming weights: no experts ring (SetRingSlots)");
     }
@@ -415,7 +417,13 @@ absl::StatusOr<StreamingStats> StreamingWeights::EndPrefill(bool abort) {
                          total_, " modules (", held_.size(), " not released)"));
       } else {
         error = WaitLocked(
-            lock, absl::Now() + options_.stall_timeout, [&] { return unloaded_ == total_; },
+            lock, absl::Now() + options_.stall_timeout,
+            // The loader finishes its bookkeeping of the last module (stats, loaded_) after
+            // signalling it, possibly after the model and the unloader are done with it: wait
+            // for that too, or the next BeginPrefill's reset could be overwritten.
+            [&] {
+              return unloaded_ == total_ && loaded_ == total_ && !loader_busy_ && !unloader_busy_;
+            },
             "waiting for the last unloads");
       }
     }
@@ -446,6 +454,8 @@ void StreamingWeights::CleanUp() {
   unload_queue_.clear();
   held_.clear();
   model_seq_ = total_;
+  // Not running any more before the abort flag drops, so the loader does not pick up the rest.
+  running_ = false;
   aborting_ = false;
 }
 

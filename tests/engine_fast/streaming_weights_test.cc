@@ -152,6 +152,28 @@ TEST(StreamingWeightsTest, MultiPassPrefillEqualsResidentWithTheSameSteps) {
   EXPECT_EQ(stats.modules_loaded, 3 * slp->weights->modules_per_pass());
 }
 
+// Back-to-back short prefills: each ends while the loader may still be finishing the
+// bookkeeping of the last module (a race that once let the loader undo the next prefill's
+// reset and stall it); every prefill must start clean and be exact.
+TEST(StreamingWeightsTest, BackToBackPrefillsReArmThePipeline) {
+  Model& model = Tiny();
+  auto resident = ResidentRig(model, ExpertPlacement::kDevice);
+  ASSERT_NE(resident, nullptr);
+  CpuDeviceOptions capped;
+  capped.copy_bytes_per_second = 20e9;  // the loader sleeps after each copy
+  auto slp = SlpRig::Make(
+      model, {.ring_slots = 2, .budget_bytes = 4 << 20, .stall_timeout = absl::Seconds(20)}, {},
+      capped);
+  ASSERT_NE(slp, nullptr);
+  for (int i = 0; i < 40; ++i) {
+    const std::vector<int32_t> prompt = RandomTokens(1 + i % 3, 100 + i, 1000);
+    StreamingStats stats;
+    const PrefillResult got = slp->Run(prompt, &stats);
+    ASSERT_EQ(got.kv, Prefill(*resident->engine, *resident->cache, prompt).kv) << "prefill " << i;
+    ASSERT_EQ(stats.modules_loaded, slp->weights->modules_per_pass()) << "prefill " << i;
+  }
+}
+
 // Acceptance 2: device memory never exceeds ring + budget + activations, where activations are
 // what the same engine with resident (in place) weights allocates: scratch, KV pool, constants.
 // The SLP device gets exactly that much memory and no more.
