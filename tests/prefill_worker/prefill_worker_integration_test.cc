@@ -405,7 +405,9 @@ TEST_F(PrefillWorkerTest, DecodeWorkerKilledMidImportLeaksNoSegment) {
   ASSERT_TRUE(decode->child().Signal(SIGKILL).ok());  // while it opens / copies the hand-off
   router.join();
   EXPECT_FALSE(g.status.ok());
-  EXPECT_FALSE(decode->child().Running());
+  auto killed = decode->child().Wait(10s);
+  ASSERT_TRUE(killed.ok()) << killed.status();
+  EXPECT_EQ(killed->signal, SIGKILL);
   // No acknowledgement reached the "router", so no Release: the timeout frees the segment.
   EXPECT_TRUE(Eventually([&] { return !ShmExists(segment); }));
   EXPECT_TRUE(ShmWithPrefix(ExportPrefix("killed")).empty());
