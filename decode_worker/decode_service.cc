@@ -9,6 +9,7 @@
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/rpc/sampling_proto.h"
 
 namespace hmoe::decode {
 namespace {
@@ -60,14 +61,7 @@ absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, Kv
   GenerationRequest r;
   r.id = p.request_id();
   r.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
-  const v1::SamplingParams& s = p.sampling();
-  r.sampling.temperature = s.temperature();
-  r.sampling.top_k = s.top_k();
-  r.sampling.top_p = s.top_p() == 0.0f ? 1.0f : s.top_p();
-  r.sampling.min_p = s.min_p();
-  r.sampling.repetition_penalty = s.repetition_penalty() == 0.0f ? 1.0f : s.repetition_penalty();
-  r.sampling.presence_penalty = s.presence_penalty();
-  r.sampling.seed = s.seed();
+  rpc::SamplingFromProto(p.sampling(), &r.sampling);
   r.sampling.max_new_tokens = p.max_new_tokens();
   r.sampling.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   r.sampling.ignore_eos = p.ignore_eos();

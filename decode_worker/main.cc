@@ -37,10 +37,11 @@
 #include "common/kv/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/model/model_config.h"
+#include "common/rpc/registry_client.h"
+#include "common/rpc/worker_setup.h"
 #include "common/shm/weight_store.h"
 #include "decode_worker/decode_service.h"
 #include "decode_worker/engine_step_engine.h"
-#include "decode_worker/registry_client.h"
 #include "decode_worker/scheduler.h"
 #include "decode_worker/worker_setup.h"
 
@@ -69,23 +70,6 @@ namespace {
 constexpr char kServiceName[] = "hmoe.decode.v1.DecodeService";
 constexpr int kExitError = 1;
 constexpr int kExitBadFlags = 2;
-
-// absl flags are spelled with underscores; accept --batch-size as well as --batch_size.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.assign(argv, argv + argc);
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& a = storage[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t j = 2; j < end; ++j) {
-      if (a[j] == '-') a[j] = '_';
-    }
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
-}
 
 // Where the weights come from; keeps the source alive.
 struct WeightSourceHolder {
@@ -273,10 +257,11 @@ int Run() {
                  << " blocks of " << block_tokens << " tokens, ready in "
                  << absl::ToDoubleSeconds(absl::Now() - start) << " s";
 
-  std::unique_ptr<RegistryClient> registry;
+  std::unique_ptr<rpc::RegistryClient> registry;
   const std::string router = absl::GetFlag(FLAGS_router);
   if (!router.empty()) {
-    RegistryClientOptions ro;
+    rpc::RegistryClientOptions ro;
+    ro.kind = rpc::WorkerKind::kDecode;
     ro.router_target = router;
     ro.worker_id = worker_id;
     ro.endpoint = "unix:" + socket_path;
@@ -286,9 +271,9 @@ int Run() {
     ro.start_unix_ms = absl::ToUnixMillis(start);
     ro.heartbeat_interval = absl::Milliseconds(heartbeat_ms);
     Scheduler* sched = scheduler->get();
-    registry = std::make_unique<RegistryClient>(ro, [sched] {
+    registry = std::make_unique<rpc::RegistryClient>(ro, [sched] {
       const SchedulerStats s = sched->stats();
-      WorkerLoadReport r;
+      rpc::WorkerLoadReport r;
       r.draining = s.draining;
       r.running = s.running;
       r.waiting = s.waiting;
@@ -329,7 +314,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   std::vector<std::string> storage;
-  std::vector<char*> args = hmoe::decode::NormalizeFlagNames(argc, argv, storage);
+  std::vector<char*> args = hmoe::rpc::NormalizeFlagNames(argc, argv, storage);
   absl::SetProgramUsageMessage(
       "hmoe-decode-worker (--model DIR | --weightd-instance NAME) --socket PATH [--device "
       "cpu|cuda:N] [--threads N] [--batch-size 6] [--chunk-size 512] [--dual-batch on|off|auto] "

@@ -1,7 +1,7 @@
 #pragma once
 
 // Start-up helpers of hmoe-decode-worker that main.cc uses and tests check without a process:
-// flag values to typed settings, and the owner-only socket directory.
+// flag values to typed settings (the helpers both workers share live in common/rpc).
 
 #include <cstddef>
 #include <cstdint>
@@ -11,19 +11,15 @@
 #include "absl/status/statusor.h"
 
 #include "common/device/device.h"
+#include "common/rpc/worker_setup.h"
 
 namespace hmoe::decode {
 
-struct DeviceSpec {
-  DeviceKind kind = DeviceKind::kCpu;
-  int ordinal = 0;  // kCuda
-};
-
-// "cpu" or "cuda:N" (N >= 0). InvalidArgument naming the flag otherwise.
-absl::StatusOr<DeviceSpec> ParseDeviceFlag(const std::string& value);
-
-// "on"/"off" (also true/false, 1/0). InvalidArgument naming `flag` otherwise.
-absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value);
+// Shared with the prefill worker (common/rpc/worker_setup.h).
+using rpc::DeviceSpec;
+using rpc::ParseDeviceFlag;
+using rpc::ParseOnOff;
+using rpc::PrepareSocketPath;
 
 // --dual-batch: "on", "off", or "auto" = on exactly when the attention device is a GPU. On a
 // CPU-only node attention and experts share the same cores, so the two micro-batches cannot
@@ -35,11 +31,5 @@ absl::StatusOr<bool> ResolveDualBatch(const std::string& value, DeviceKind atten
 // memory holds no block.
 absl::StatusOr<int64_t> ResolveKvBlocks(int64_t kv_blocks, int64_t kv_memory_mb,
                                         size_t block_bytes);
-
-// Makes sure the unix socket `path` can be served safely: absolute, short enough for
-// sockaddr_un, its parent directory created 0700 when missing and otherwise owned by this user
-// and not accessible to group/others (PermissionDenied: another user could swap the socket).
-// Removes a stale socket file at `path`. InvalidArgument for a bad path.
-absl::Status PrepareSocketPath(const std::string& path);
 
 }  // namespace hmoe::decode

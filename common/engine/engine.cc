@@ -213,6 +213,8 @@ void MicroBatch::Abort() {
   }
 }
 
+void MicroBatch::AbandonStep() { Abort(); }
+
 absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
   if (phase_ != Phase::kIdle) {
     return absl::FailedPreconditionError("micro batch: BeginStep during a step");

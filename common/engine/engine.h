@@ -128,6 +128,10 @@ class MicroBatch {
   absl::StatusOr<std::vector<std::vector<float>>> FinishStep();
   // BeginStep + every layer + FinishStep.
   absl::StatusOr<std::vector<std::vector<float>>> RunStep(std::span<const SequenceInput> inputs);
+  // Abandons the step in progress (e.g. a prefill cancelled between layers) as a failed call
+  // would: the sequences keep their previous num_tokens(). No-op between steps. Work already
+  // enqueued on stream() may still run: synchronize it before reusing what it reads.
+  void AbandonStep();
 
   Stream& stream() { return *stream_; }
   bool in_step() const { return phase_ != Phase::kIdle; }

@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "common/kv/kv_handoff.h"
-#include "decode_worker/registry_client.h"
+#include "common/rpc/registry_client.h"
 #include "decode_worker/worker_setup.h"
 #include "proto/worker_registry.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
@@ -29,6 +29,9 @@ namespace hmoe::decode {
 namespace {
 
 using ::hmoe::decode::testing::ScopedTempDir;
+using ::hmoe::rpc::RegistryClient;
+using ::hmoe::rpc::RegistryClientOptions;
+using ::hmoe::rpc::WorkerLoadReport;
 
 // ------------------------------------------------------------------------- proto translation
 

@@ -96,4 +96,14 @@ absl::Status HostUnregister(const void* data) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> IpcMemHandle(const void* device_ptr) {
+  if (device_ptr == nullptr) return absl::InvalidArgumentError("ipc mem handle: null pointer");
+  cudaIpcMemHandle_t handle;
+  if (const cudaError_t err = cudaIpcGetMemHandle(&handle, const_cast<void*>(device_ptr));
+      err != cudaSuccess) {
+    return RegisterError("cudaIpcGetMemHandle", err);
+  }
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
 }  // namespace hmoe::cuda

@@ -33,6 +33,14 @@ absl::Status HostRegister(const void* data, size_t size_bytes, bool read_only);
 // Undoes HostRegister(data, ...).
 absl::Status HostUnregister(const void* data);
 
+// The CUDA IPC handle (the raw bytes of a cudaIpcMemHandle_t) of the device allocation that
+// starts at `device_ptr` (a cudaMalloc'ed base pointer, e.g. a CudaDevice DeviceBuffer), which
+// another process opens with cudaIpcOpenMemHandle: the GPU form of a KV hand-off. The memory
+// must stay allocated until the other process has closed the handle. Unavailable without CUDA or
+// a usable device, InvalidArgument for a pointer that is not a device allocation, Internal
+// otherwise.
+absl::StatusOr<std::string> IpcMemHandle(const void* device_ptr);
+
 // Why no device is usable (e.g. "CUDA driver version is insufficient..."), or "" when one is.
 std::string NoDeviceReason();
 

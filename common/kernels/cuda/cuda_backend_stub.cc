@@ -16,4 +16,8 @@ absl::Status HostUnregister(const void*) {
   return absl::UnavailableError("host unregister: built without CUDA (HMOE_CUDA=OFF)");
 }
 
+absl::StatusOr<std::string> IpcMemHandle(const void*) {
+  return absl::UnavailableError("cuda ipc handle: built without CUDA (HMOE_CUDA=OFF)");
+}
+
 }  // namespace hmoe::cuda

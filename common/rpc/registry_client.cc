@@ -1,4 +1,4 @@
-#include "decode_worker/registry_client.h"
+#include "common/rpc/registry_client.h"
 
 #include <algorithm>
 #include <chrono>
@@ -9,7 +9,7 @@
 #include "common/base/logging.h"
 #include "proto/worker_registry.grpc.pb.h"
 
-namespace hmoe::decode {
+namespace hmoe::rpc {
 
 namespace reg = ::hmoe::registry::v1;
 
@@ -85,7 +85,8 @@ void RegistryClient::Loop() {
     if (!registered) {
       reg::RegisterRequest req;
       req.set_worker_id(options_.worker_id);
-      req.set_kind(reg::WORKER_KIND_DECODE);
+      req.set_kind(options_.kind == WorkerKind::kPrefill ? reg::WORKER_KIND_PREFILL
+                                                         : reg::WORKER_KIND_DECODE);
       req.set_endpoint(options_.endpoint);
       req.set_device(options_.device);
       req.set_pid(options_.pid);
@@ -156,4 +157,4 @@ void RegistryClient::Loop() {
   }
 }
 
-}  // namespace hmoe::decode
+}  // namespace hmoe::rpc

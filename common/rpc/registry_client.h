@@ -1,9 +1,10 @@
 #pragma once
 
-// Registers the worker with the router's WorkerRegistry (proto/worker_registry.proto) and
-// heartbeats its load. The router is optional and may come and go: every failure is retried with
-// exponential backoff; a failed heartbeat (router restarted: NOT_FOUND, or unreachable) sends the
-// client back to registering. Runs on its own thread; never blocks the caller.
+// Registers a worker (prefill or decode) with the router's WorkerRegistry
+// (proto/worker_registry.proto) and heartbeats its load. The router is optional and may come and
+// go: every failure is retried with exponential backoff; a failed heartbeat (router restarted:
+// NOT_FOUND, or unreachable) sends the client back to registering. Runs on its own thread; never
+// blocks the caller.
 
 #include <cstdint>
 #include <functional>
@@ -15,9 +16,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace hmoe::decode {
+namespace hmoe::rpc {
+
+enum class WorkerKind { kPrefill, kDecode };
 
 struct RegistryClientOptions {
+  // What kind of worker registers.
+  WorkerKind kind = WorkerKind::kDecode;
   // gRPC target of the router's registry ("unix:/run/hmoe/router.sock", "localhost:50051").
   std::string router_target;
   // What Register announces.
@@ -35,7 +40,8 @@ struct RegistryClientOptions {
   absl::Duration rpc_timeout = absl::Seconds(2);
 };
 
-// The load a heartbeat reports.
+// The load a heartbeat reports (a prefill worker: running = 1 while it prefills, waiting = its
+// queue, batch_size = 1, kv_blocks_* = its KV pool).
 struct WorkerLoadReport {
   bool draining = false;
   int running = 0;
@@ -84,4 +90,4 @@ class RegistryClient {
   std::jthread thread_;  // last: starts after everything above exists
 };
 
-}  // namespace hmoe::decode
+}  // namespace hmoe::rpc

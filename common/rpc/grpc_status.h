@@ -1,0 +1,24 @@
+#pragma once
+
+// absl::StatusCode and grpc::StatusCode both mirror google.rpc.Code, so codes cross process
+// boundaries unchanged (STYLE.md Part 2 §3): handlers `return ToGrpcStatus(s)`, clients use
+// FromGrpcStatus.
+
+#include <string>
+
+#include "absl/status/status.h"
+#include <grpcpp/support/status.h>
+
+namespace hmoe::rpc {
+
+inline grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+inline absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+}  // namespace hmoe::rpc

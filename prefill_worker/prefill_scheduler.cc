@@ -1,0 +1,224 @@
+#include "prefill_worker/prefill_scheduler.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+#include "common/base/logging.h"
+#include "common/base/status_macros.h"
+
+namespace hmoe::prefill {
+
+struct PrefillScheduler::Job {
+  PrefillJob spec;
+  absl::Time arrival;
+  // Set by Cancel, a vanished caller or Shutdown; polled by the runner between layers.
+  std::atomic<bool> cancel{false};
+  bool done = false;  // guarded by PrefillScheduler::mu_
+  absl::StatusOr<PrefillOutcome> result = absl::UnknownError("not run");  // guarded by mu_
+};
+
+PrefillScheduler::PrefillScheduler(SlpRunner* runner, ExportTable* exports,
+                                   PrefillSchedulerOptions options)
+    : runner_(runner),
+      exports_(exports),
+      options_(std::move(options)),
+      thread_([this] { ModelLoop(); }) {}
+
+PrefillScheduler::~PrefillScheduler() { Shutdown(); }
+
+absl::Status PrefillScheduler::Validate(const PrefillJob& job) const {
+  if (job.id.empty()) return absl::InvalidArgumentError("request_id: empty");
+  if (job.prompt.empty()) return absl::InvalidArgumentError("prompt_token_ids: empty prompt");
+  const int64_t n = static_cast<int64_t>(job.prompt.size());
+  if (n > runner_->max_prompt_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids: ", n,
+                                                   " tokens, this worker prefills at most ",
+                                                   runner_->max_prompt_tokens()));
+  }
+  const int64_t vocab = runner_->config().vocab_size;
+  for (size_t i = 0; i < job.prompt.size(); ++i) {
+    if (job.prompt[i] < 0 || job.prompt[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "]: token id ",
+                                                     job.prompt[i], " outside [0, ", vocab, ")"));
+    }
+  }
+  SamplingParams sampling = job.sampling;
+  sampling.max_new_tokens = 1;
+  return ValidateSamplingParams(sampling);  // InvalidArgument naming the field
+}
+
+absl::StatusOr<PrefillOutcome> PrefillScheduler::Prefill(PrefillJob spec,
+                                                         const std::function<bool()>& caller_gone) {
+  HMOE_RETURN_IF_ERROR(Validate(spec));
+  auto job = std::make_shared<Job>();
+  job->arrival = absl::Now();
+  job->spec = std::move(spec);
+  const std::string id = job->spec.id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!accepting_) {
+      return absl::UnavailableError("prefill worker is draining; retry on another worker");
+    }
+    if (in_flight_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("request ", id, " is already in flight"));
+    }
+    if (exports_->Contains(id)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("request ", id, " still holds a kv export (Release it first)"));
+    }
+    if (static_cast<int>(queue_.size()) >= options_.max_waiting) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "prefill queue full (", queue_.size(), " waiting, at most ", options_.max_waiting, ")"));
+    }
+    queue_.push_back(job);
+    in_flight_[id] = job;
+  }
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&job->done), options_.poll_interval);
+      if (job->done) return job->result;
+      if (job->cancel.load(std::memory_order_relaxed)) continue;  // being cancelled
+    }
+    if (!caller_gone || !caller_gone()) continue;
+    absl::MutexLock lock(&mu_);
+    if (job->done) continue;
+    HMOE_LOG(INFO) << "req=" << id << " caller went away; cancelling the prefill";
+    // Relaxed: the runner polls the flag between layers; mu_ orders everything else.
+    job->cancel.store(true, std::memory_order_relaxed);
+    auto queued = std::find(queue_.begin(), queue_.end(), job);
+    if (queued != queue_.end()) {
+      queue_.erase(queued);
+      FinishLocked(*job, absl::CancelledError("the caller went away"));
+    }
+  }
+}
+
+absl::Status PrefillScheduler::Cancel(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = in_flight_.find(id);
+  if (it == in_flight_.end()) {
+    return absl::NotFoundError(absl::StrCat("request ", id, " is not queued or running"));
+  }
+  std::shared_ptr<Job> job = it->second;
+  job->cancel.store(true, std::memory_order_relaxed);
+  auto queued = std::find(queue_.begin(), queue_.end(), job);
+  if (queued != queue_.end()) {
+    queue_.erase(queued);
+    FinishLocked(*job, absl::CancelledError("cancelled by Cancel RPC"));
+  }
+  return absl::OkStatus();
+}
+
+void PrefillScheduler::FinishLocked(Job& job, absl::StatusOr<PrefillOutcome> result) {
+  if (!result.ok()) {
+    if (absl::IsCancelled(result.status())) {
+      ++stats_.cancelled;
+    } else {
+      ++stats_.failed;
+    }
+  }
+  job.result = std::move(result);
+  job.done = true;
+  in_flight_.erase(job.spec.id);
+}
+
+void PrefillScheduler::ModelLoop() {
+  while (true) {
+    std::shared_ptr<Job> job;
+    std::string export_name;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &PrefillScheduler::HasWorkOrStop));
+      if (stop_) return;
+      job = queue_.front();
+      queue_.pop_front();
+      running_ = job;
+      export_name = absl::StrCat(options_.export_prefix, next_export_++);
+    }
+    const absl::Time start = absl::Now();
+    const std::string& id = job->spec.id;
+    absl::StatusOr<SlpResult> ran =
+        runner_->Run(job->spec.prompt, job->spec.sampling, export_name, job->cancel);
+    absl::StatusOr<PrefillOutcome> outcome = absl::UnknownError("not run");
+    if (!ran.ok()) outcome = ran.status();
+    if (ran.ok()) {
+      PrefillOutcome o;
+      o.first_token = ran->first_token;
+      o.handle = ran->kv->handle();
+      o.prompt_tokens = ran->prompt_tokens;
+      o.queue_us = absl::ToInt64Microseconds(start - job->arrival);
+      o.prefill_us = ran->prefill_us;
+      o.export_us = ran->export_us;
+      o.bytes_streamed = ran->streaming.bytes_streamed;
+      o.load_wait_us = static_cast<int64_t>(ran->streaming.load_wait_seconds * 1e6);
+      o.peak_device_bytes = static_cast<int64_t>(ran->peak_device_bytes);
+      o.ring_slots = ran->ring_slots;
+      o.hidden_fraction = ran->streaming.hidden_fraction();
+      const std::string what = ran->kv->description();
+      // The export is owned by the table from here on (freed by Release or the timeout).
+      if (absl::Status added = exports_->Add(id, std::move(ran->kv)); !added.ok()) {
+        outcome = added;
+      } else {
+        outcome = o;
+        HMOE_LOG(INFO) << "req=" << id << " prefilled " << o.prompt_tokens << " tokens in "
+                       << o.prefill_us / 1000 << " ms (queue " << o.queue_us / 1000 << " ms, ring "
+                       << o.ring_slots << ", " << ran->streaming.passes << " pass(es), "
+                       << o.bytes_streamed << " weight bytes streamed, "
+                       << static_cast<int>(100 * o.hidden_fraction)
+                       << "% of copy time hidden): first token " << o.first_token << ", kv "
+                       << what;
+      }
+    } else {
+      HMOE_LOG(INFO) << "req=" << id << " prefill failed: " << ran.status();
+    }
+    absl::MutexLock lock(&mu_);
+    if (outcome.ok()) {
+      ++stats_.prefills;
+      stats_.prompt_tokens += outcome->prompt_tokens;
+      stats_.last_peak_device_bytes = outcome->peak_device_bytes;
+      stats_.last_ring_slots = outcome->ring_slots;
+    }
+    FinishLocked(*job, std::move(outcome));
+    running_ = nullptr;
+  }
+}
+
+void PrefillScheduler::StopAccepting() {
+  absl::MutexLock lock(&mu_);
+  accepting_ = false;
+}
+
+bool PrefillScheduler::WaitIdle(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithDeadline(absl::Condition(this, &PrefillScheduler::Idle), deadline);
+}
+
+void PrefillScheduler::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    accepting_ = false;
+    while (!queue_.empty()) {
+      std::shared_ptr<Job> job = queue_.front();
+      queue_.pop_front();
+      FinishLocked(*job, absl::UnavailableError("prefill worker shut down"));
+    }
+    if (running_ != nullptr) running_->cancel.store(true, std::memory_order_relaxed);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+PrefillSchedulerStats PrefillScheduler::stats() const {
+  absl::MutexLock lock(&mu_);
+  PrefillSchedulerStats s = stats_;
+  s.draining = !accepting_;
+  s.busy = running_ != nullptr;
+  s.waiting = static_cast<int>(queue_.size());
+  return s;
+}
+
+}  // namespace hmoe::prefill

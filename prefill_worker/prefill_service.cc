@@ -1,0 +1,101 @@
+#include "prefill_worker/prefill_service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#include "common/base/logging.h"
+#include "common/rpc/grpc_status.h"
+#include "common/rpc/sampling_proto.h"
+
+namespace hmoe::prefill {
+
+using rpc::ToGrpcStatus;
+
+absl::StatusOr<PrefillJob> JobFromProto(const v1::PrefillRequest& p) {
+  if (p.has_dslp()) {
+    return absl::UnimplementedError(
+        "dslp: distributed stream-loading prefill is not implemented by this worker yet (issue "
+        "#5); send the request without a DSLP group");
+  }
+  PrefillJob job;
+  job.id = p.request_id();
+  job.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
+  rpc::SamplingFromProto(p.sampling(), &job.sampling);
+  return job;
+}
+
+v1::PrefillResponse OutcomeToProto(const PrefillOutcome& o, const std::string& worker_id) {
+  v1::PrefillResponse r;
+  r.set_first_token_id(o.first_token);
+  decode::v1::KvHandle* h = r.mutable_kv_handle();
+  if (o.handle.kind == KvHandleSpec::Kind::kCudaIpc) {
+    h->set_cuda_ipc_handle(o.handle.cuda_ipc_handle);
+  } else {
+    h->set_shm_name(o.handle.shm_name);
+  }
+  h->set_num_tokens(o.handle.num_tokens);
+  h->set_layout_version(o.handle.layout_version);
+  r.set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
+  v1::PrefillTiming* t = r.mutable_timing();
+  t->set_queue_us(o.queue_us);
+  t->set_prefill_us(o.prefill_us);
+  t->set_export_us(o.export_us);
+  t->set_bytes_streamed(o.bytes_streamed);
+  t->set_load_wait_us(o.load_wait_us);
+  t->set_peak_device_bytes(o.peak_device_bytes);
+  r.set_worker_id(worker_id);
+  return r;
+}
+
+grpc::Status PrefillServiceImpl::Prefill(grpc::ServerContext* context,
+                                         const v1::PrefillRequest* request,
+                                         v1::PrefillResponse* response) {
+  absl::StatusOr<PrefillJob> job = JobFromProto(*request);
+  if (!job.ok()) {
+    HMOE_LOG(INFO) << "req=" << request->request_id() << " rejected: " << job.status();
+    return ToGrpcStatus(job.status());
+  }
+  absl::StatusOr<PrefillOutcome> outcome =
+      scheduler_->Prefill(*std::move(job), [context] { return context->IsCancelled(); });
+  if (!outcome.ok()) return ToGrpcStatus(outcome.status());
+  *response = OutcomeToProto(*outcome, info_.worker_id);
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillServiceImpl::Release(grpc::ServerContext* /*context*/,
+                                         const v1::ReleaseRequest* request,
+                                         v1::ReleaseResponse* /*response*/) {
+  return ToGrpcStatus(exports_->Release(request->request_id()));
+}
+
+grpc::Status PrefillServiceImpl::Cancel(grpc::ServerContext* /*context*/,
+                                        const v1::CancelRequest* request,
+                                        v1::CancelResponse* /*response*/) {
+  return ToGrpcStatus(scheduler_->Cancel(request->request_id()));
+}
+
+grpc::Status PrefillServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
+                                           const v1::GetStatusRequest* /*request*/,
+                                           v1::PrefillStatus* r) {
+  const PrefillSchedulerStats s = scheduler_->stats();
+  r->set_worker_id(info_.worker_id);
+  r->set_device(info_.device);
+  r->set_draining(s.draining);
+  r->set_busy(s.busy);
+  r->set_waiting(s.waiting);
+  r->set_max_waiting(scheduler_->options().max_waiting);
+  r->set_exports(static_cast<int32_t>(exports_->count()));
+  r->set_export_bytes(exports_->bytes());
+  r->set_prefills(s.prefills);
+  r->set_prompt_tokens(s.prompt_tokens);
+  r->set_exports_expired(exports_->expired());
+  const size_t budget = runner_->device().budget_bytes();
+  r->set_device_budget_bytes(budget == SIZE_MAX ? 0 : static_cast<int64_t>(budget));
+  r->set_ring_slots(runner_->weights().ring_slots());
+  r->set_ring_slot_bytes(static_cast<int64_t>(runner_->weights().ring_slot_bytes()));
+  r->set_last_peak_device_bytes(s.last_peak_device_bytes);
+  return grpc::Status::OK;
+}
+
+}  // namespace hmoe::prefill

@@ -1,0 +1,555 @@
+// Issue #4 acceptance 3 with real processes on the tiny checkpoint: hmoe-prefill-worker prefills
+// a prompt and hands its KV cache (a shared-memory segment) to hmoe-decode-worker, which
+// continues the sequence; this test plays the router (Prefill, Admit with the handle, Release
+// after the KvImported acknowledgement). 64 greedy tokens agree with the reference forward pass
+// (token agreement rule, tests/decode_worker/decode_test_util.h) and equal the decode worker's
+// own single-process run, greedy and sampled (the decode worker continues the request's RNG
+// after the prefill worker's first token); the segment is freed after the ack; an unclaimed one
+// after the export timeout; a decode worker killed mid-import leaks no segment. Also: errors,
+// draining on SIGTERM, registration with the router, bad flags.
+
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "common/engine/reference/reference_model.h"
+#include "common/kv/kv_handoff.h"
+#include "common/model/checkpoint.h"
+#include "proto/decode.grpc.pb.h"
+#include "proto/health.grpc.pb.h"
+#include "proto/prefill.grpc.pb.h"
+#include "proto/worker_registry.grpc.pb.h"
+#include "tests/decode_worker/decode_test_util.h"
+#include "tests/integration/child_process.h"
+
+namespace hmoe::prefill {
+namespace {
+
+using ::hmoe::decode::testing::CheckAgreement;
+using ::hmoe::decode::testing::ScopedTempDir;
+using ::hmoe::testing::ChildOptions;
+using ::hmoe::testing::ChildProcess;
+using namespace std::chrono_literals;
+namespace dv1 = ::hmoe::decode::v1;
+
+constexpr char kPrefillWorker[] = HMOE_PREFILL_WORKER_PATH;
+constexpr char kDecodeWorker[] = HMOE_DECODE_WORKER_PATH;
+constexpr int kTokens = 64;
+
+struct Shared {
+  ScopedTempDir dir;
+  std::string model;
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<reference::ReferenceModel> reference;
+};
+Shared* g_shared = nullptr;
+
+std::vector<int32_t> Prompt(int n, int seed) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(static_cast<int32_t>(2 + (seed * 131 + i * 37) % 1000));
+  return p;
+}
+
+bool ShmExists(const std::string& name) { return std::filesystem::exists("/dev/shm/" + name); }
+
+// /dev/shm entries whose name starts with `prefix`.
+std::vector<std::string> ShmWithPrefix(const std::string& prefix) {
+  std::vector<std::string> out;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (const dirent* e = ::readdir(dir)) {
+      if (absl::StartsWith(e->d_name, prefix)) out.emplace_back(e->d_name);
+    }
+    ::closedir(dir);
+  }
+  return out;
+}
+
+template <typename F>
+bool Eventually(F cond, std::chrono::milliseconds timeout = 20s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return cond();
+}
+
+// A worker process serving on a unix socket, SERVING once started.
+class Process {
+ public:
+  static std::unique_ptr<Process> Start(const std::string& binary, const std::string& tag,
+                                        std::vector<std::string> extra, bool wait = true) {
+    auto p = std::unique_ptr<Process>(new Process());
+    p->socket_ = g_shared->dir.File(absl::StrCat("run-", tag, "/w.sock"));
+    std::vector<std::string> argv = {
+        binary,      "--model", g_shared->model,      "--socket", p->socket_,
+        "--threads", "1",       "--pin-threads=false"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    ChildOptions o;
+    o.argv = std::move(argv);
+    o.stderr_path = g_shared->dir.File(absl::StrCat(tag, ".err"));
+    auto child = ChildProcess::Start(std::move(o));
+    EXPECT_TRUE(child.ok()) << child.status();
+    if (!child.ok()) return nullptr;
+    p->child_ = std::make_unique<ChildProcess>(*std::move(child));
+    if (wait && !p->WaitServing()) return nullptr;
+    return p;
+  }
+
+  bool WaitServing() {
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (!child_->Running()) {
+        ADD_FAILURE() << "worker exited: " << child_->ReadStderr();
+        return false;
+      }
+      if (std::filesystem::exists(socket_)) {
+        channel_ = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
+        auto health = grpc::health::v1::Health::NewStub(channel_);
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + 1s);
+        grpc::health::v1::HealthCheckResponse resp;
+        if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
+            resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+          return true;
+        }
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    ADD_FAILURE() << "worker not SERVING: " << child_->ReadStderr();
+    return false;
+  }
+
+  int Terminate() {
+    absl::StatusOr<int> code = child_->Terminate(60s);
+    EXPECT_TRUE(code.ok()) << code.status() << "\n" << child_->ReadStderr();
+    return code.ok() ? *code : -1;
+  }
+
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  ChildProcess& child() { return *child_; }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  Process() = default;
+  std::string socket_;
+  std::unique_ptr<ChildProcess> child_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+// The prefill worker's client.
+class PrefillClient {
+ public:
+  explicit PrefillClient(const Process& p) : stub_(v1::PrefillService::NewStub(p.channel())) {}
+
+  grpc::Status Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 120s);
+    return stub_->Prefill(&ctx, req, resp);
+  }
+  grpc::Status Release(const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    v1::ReleaseRequest req;
+    req.set_request_id(id);
+    v1::ReleaseResponse resp;
+    return stub_->Release(&ctx, req, &resp);
+  }
+  grpc::Status Cancel(const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    v1::CancelRequest req;
+    req.set_request_id(id);
+    v1::CancelResponse resp;
+    return stub_->Cancel(&ctx, req, &resp);
+  }
+  v1::PrefillStatus Status() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    v1::PrefillStatus st;
+    const grpc::Status s = stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return st;
+  }
+
+ private:
+  std::unique_ptr<v1::PrefillService::Stub> stub_;
+};
+
+v1::PrefillRequest PrefillRequest(const std::string& id, const std::vector<int32_t>& prompt,
+                                  const dv1::SamplingParams& sampling = {}) {
+  v1::PrefillRequest r;
+  r.set_request_id(id);
+  for (int32_t t : prompt) r.add_prompt_token_ids(t);
+  *r.mutable_sampling() = sampling;
+  return r;
+}
+
+// One Admit stream as the router consumes it: `on_imported` runs when KvImported arrives.
+struct Generation {
+  grpc::Status status;
+  std::vector<int32_t> tokens;  // streamed tokens (without a hand-off's first token)
+  bool kv_imported_first = false;
+  bool finished = false;
+  dv1::Finished finish;
+};
+
+Generation Admit(const Process& decode, const dv1::AdmitRequest& request,
+                 const std::function<void()>& on_imported = nullptr) {
+  auto stub = dv1::DecodeService::NewStub(decode.channel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 120s);
+  Generation g;
+  auto reader = stub->Admit(&ctx, request);
+  dv1::AdmitResponse msg;
+  bool first = true;
+  while (reader->Read(&msg)) {
+    if (msg.has_kv_imported()) {
+      g.kv_imported_first = first;
+      if (on_imported) on_imported();
+    } else if (msg.has_token()) {
+      g.tokens.push_back(msg.token().token_id());
+    } else if (msg.has_finished()) {
+      g.finished = true;
+      g.finish = msg.finished();
+    }
+    first = false;
+  }
+  g.status = reader->Finish();
+  return g;
+}
+
+dv1::AdmitRequest AdmitRequest(const std::string& id, const std::vector<int32_t>& prompt,
+                               const dv1::SamplingParams& sampling = {}) {
+  dv1::AdmitRequest r;
+  r.set_request_id(id);
+  for (int32_t t : prompt) r.add_prompt_token_ids(t);
+  *r.mutable_sampling() = sampling;
+  r.set_max_new_tokens(kTokens);
+  r.set_ignore_eos(true);
+  return r;
+}
+
+// The router's hand-off: the prefill response's handle and first token in an AdmitRequest.
+dv1::AdmitRequest HandOff(const std::string& id, const std::vector<int32_t>& prompt,
+                          const v1::PrefillResponse& prefilled,
+                          const dv1::SamplingParams& sampling = {}) {
+  dv1::AdmitRequest r = AdmitRequest(id, prompt, sampling);
+  *r.mutable_kv_handle() = prefilled.kv_handle();
+  r.set_first_token_id(prefilled.first_token_id());
+  return r;
+}
+
+class PrefillWorkerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // Notice a worker's GOAWAY promptly (see decode_worker_integration_test.cc).
+    ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", 1);
+    g_shared = new Shared();
+    ASSERT_FALSE(g_shared->dir.path().empty());
+    g_shared->model = g_shared->dir.File("tiny");
+    ASSERT_TRUE(decode::testing::WritePreset("tiny", g_shared->model).ok());
+    auto ckpt = Checkpoint::Open(g_shared->model);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    g_shared->checkpoint = *std::move(ckpt);
+    auto ref =
+        reference::ReferenceModel::Create(g_shared->checkpoint->config(), *g_shared->checkpoint);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    g_shared->reference = *std::move(ref);
+  }
+  static void TearDownTestSuite() {
+    delete g_shared;
+    g_shared = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(g_shared->reference, nullptr); }
+
+  // A prefill worker with a small streaming budget, copies capped at 2 GB/s (the pipeline really
+  // overlaps), and a unique worker id (its exports are hmoe-kv-<id>-*).
+  static std::unique_ptr<Process> StartPrefill(const std::string& tag,
+                                               std::vector<std::string> extra = {}) {
+    std::vector<std::string> flags = {
+        "--worker-id",         PrefillId(tag), "--stream-budget-mb", "4", "--copy-gbps", "2",
+        "--max-prompt-tokens", "1000"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return Process::Start(kPrefillWorker, "prefill-" + tag, flags);
+  }
+  static std::string PrefillId(const std::string& tag) {
+    return absl::StrCat("pw-", ::getpid(), "-", tag);
+  }
+  static std::string ExportPrefix(const std::string& tag) {
+    return absl::StrCat("hmoe-kv-", PrefillId(tag), "-");
+  }
+  static std::unique_ptr<Process> StartDecode(const std::string& tag) {
+    return Process::Start(kDecodeWorker, "decode-" + tag, {"--kv-blocks", "64"});
+  }
+};
+
+// Acceptance 3: prefill worker -> KV handle -> decode worker continues the sequence.
+TEST_F(PrefillWorkerTest, HandOffToTheDecodeWorkerContinuesTheSequence) {
+  auto prefill = StartPrefill("handoff");
+  auto decode = StartDecode("handoff");
+  ASSERT_NE(prefill, nullptr);
+  ASSERT_NE(decode, nullptr);
+  PrefillClient client(*prefill);
+  struct Case {
+    std::string name;
+    dv1::SamplingParams sampling;
+  };
+  std::vector<Case> cases(2);
+  cases[0].name = "greedy";
+  cases[1].name = "sampled";
+  cases[1].sampling.set_temperature(0.8f);
+  cases[1].sampling.set_top_k(50);
+  cases[1].sampling.set_repetition_penalty(1.05f);
+  cases[1].sampling.set_seed(1234);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::vector<int32_t> prompt = Prompt(40, c.name.size());
+    v1::PrefillResponse prefilled;
+    const grpc::Status s = client.Prefill(PrefillRequest(c.name, prompt, c.sampling), &prefilled);
+    ASSERT_TRUE(s.ok()) << s.error_message() << prefill->child().ReadStderr();
+    ASSERT_TRUE(prefilled.kv_handle().has_shm_name());
+    const std::string segment = prefilled.kv_handle().shm_name();
+    EXPECT_TRUE(absl::StartsWith(segment, ExportPrefix("handoff"))) << segment;
+    EXPECT_EQ(prefilled.kv_handle().num_tokens(), 40);
+    EXPECT_EQ(prefilled.kv_handle().layout_version(), kKvHandoffLayoutVersion);
+    EXPECT_EQ(prefilled.prompt_tokens(), 40);
+    EXPECT_GT(prefilled.timing().prefill_us(), 0);
+    EXPECT_GT(prefilled.timing().bytes_streamed(), 0);
+    EXPECT_GT(prefilled.timing().peak_device_bytes(), 0);
+    EXPECT_TRUE(ShmExists(segment));
+    EXPECT_EQ(client.Status().exports(), 1);
+
+    // The router's part: admit with the handle, release once the decode worker acknowledges.
+    bool released = false;
+    const Generation g = Admit(*decode, HandOff(c.name, prompt, prefilled, c.sampling),
+                               [&] { released = client.Release(c.name).ok(); });
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << decode->child().ReadStderr();
+    EXPECT_TRUE(g.kv_imported_first);
+    EXPECT_TRUE(released);
+    EXPECT_FALSE(ShmExists(segment));  // freed after the ack
+    EXPECT_EQ(client.Status().exports(), 0);
+    EXPECT_EQ(client.Release(c.name).error_code(), grpc::StatusCode::NOT_FOUND);
+    ASSERT_TRUE(g.finished);
+    EXPECT_EQ(g.finish.reason(), dv1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(g.finish.usage().imported_tokens(), 40);
+    std::vector<int32_t> tokens = {prefilled.first_token_id()};
+    tokens.insert(tokens.end(), g.tokens.begin(), g.tokens.end());
+    ASSERT_EQ(tokens.size(), static_cast<size_t>(kTokens));
+
+    // The decode worker alone (chunked prefill of the whole prompt in one step): the same
+    // tokens, bitwise (SLP computes the prompt exactly as the decode worker does), sampled ones
+    // included — so the RNG stream continues where the prefill worker's first token left it.
+    const Generation alone = Admit(*decode, AdmitRequest(c.name + "-alone", prompt, c.sampling));
+    ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
+    EXPECT_EQ(tokens, alone.tokens);
+    if (c.name == "greedy") {
+      auto agreement = CheckAgreement(*g_shared->reference, prompt, tokens);
+      ASSERT_TRUE(agreement.ok()) << agreement.status();
+      EXPECT_TRUE(agreement->ok()) << agreement->detail;
+      RecordProperty("greedy_divergences", agreement->divergences);
+    }
+  }
+  EXPECT_EQ(client.Status().prefills(), 2);
+  EXPECT_EQ(prefill->Terminate(), 0);
+  EXPECT_EQ(decode->Terminate(), 0);
+  EXPECT_TRUE(ShmWithPrefix(ExportPrefix("handoff")).empty());
+}
+
+TEST_F(PrefillWorkerTest, UnclaimedExportIsFreedAfterTheTimeout) {
+  auto prefill = StartPrefill("timeout", {"--export-timeout-seconds", "1"});
+  ASSERT_NE(prefill, nullptr);
+  PrefillClient client(*prefill);
+  v1::PrefillResponse prefilled;
+  ASSERT_TRUE(client.Prefill(PrefillRequest("t", Prompt(20, 1)), &prefilled).ok());
+  const std::string segment = prefilled.kv_handle().shm_name();
+  EXPECT_TRUE(ShmExists(segment));
+  EXPECT_TRUE(Eventually([&] { return !ShmExists(segment); }));
+  const v1::PrefillStatus st = client.Status();
+  EXPECT_EQ(st.exports(), 0);
+  EXPECT_EQ(st.exports_expired(), 1);
+  const grpc::Status late = client.Release("t");
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(absl::StrContains(late.error_message(), "timeout")) << late.error_message();
+  EXPECT_EQ(prefill->Terminate(), 0);
+}
+
+// The decode worker dies between Admit and its acknowledgement: nobody releases the export, the
+// prefill worker frees it after the timeout, and no segment is left anywhere.
+TEST_F(PrefillWorkerTest, DecodeWorkerKilledMidImportLeaksNoSegment) {
+  auto prefill = StartPrefill("killed", {"--export-timeout-seconds", "2"});
+  auto decode = StartDecode("killed");
+  ASSERT_NE(prefill, nullptr);
+  ASSERT_NE(decode, nullptr);
+  PrefillClient client(*prefill);
+  const std::vector<int32_t> prompt = Prompt(900, 7);  // the largest hand-off tiny allows here
+  v1::PrefillResponse prefilled;
+  ASSERT_TRUE(client.Prefill(PrefillRequest("k", prompt), &prefilled).ok());
+  const std::string segment = prefilled.kv_handle().shm_name();
+  ASSERT_TRUE(ShmExists(segment));
+  Generation g;
+  std::thread router([&] { g = Admit(*decode, HandOff("k", prompt, prefilled)); });
+  ASSERT_TRUE(decode->child().Signal(SIGKILL).ok());  // while it opens / copies the hand-off
+  router.join();
+  EXPECT_FALSE(g.status.ok());
+  auto killed = decode->child().Wait(10s);
+  ASSERT_TRUE(killed.ok()) << killed.status();
+  EXPECT_EQ(killed->signal, SIGKILL);
+  // No acknowledgement reached the "router", so no Release: the timeout frees the segment.
+  EXPECT_TRUE(Eventually([&] { return !ShmExists(segment); }));
+  EXPECT_TRUE(ShmWithPrefix(ExportPrefix("killed")).empty());
+  const v1::PrefillStatus st = client.Status();
+  EXPECT_EQ(st.exports(), 0);
+  EXPECT_EQ(st.exports_expired(), 1);
+  // The prefill worker serves on; a restarted decode worker takes the next hand-off.
+  auto restarted = StartDecode("killed-2");
+  ASSERT_NE(restarted, nullptr);
+  ASSERT_TRUE(client.Prefill(PrefillRequest("k2", Prompt(30, 8)), &prefilled).ok());
+  const Generation next = Admit(*restarted, HandOff("k2", Prompt(30, 8), prefilled),
+                                [&] { EXPECT_TRUE(client.Release("k2").ok()); });
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.tokens.size(), static_cast<size_t>(kTokens - 1));
+  EXPECT_EQ(prefill->Terminate(), 0);
+  EXPECT_EQ(restarted->Terminate(), 0);
+}
+
+TEST_F(PrefillWorkerTest, BadRequestsGetTheDocumentedCodes) {
+  auto prefill = StartPrefill("errors", {"--drain-seconds", "0.5"});
+  ASSERT_NE(prefill, nullptr);
+  PrefillClient client(*prefill);
+  v1::PrefillResponse resp;
+  v1::PrefillRequest bad = PrefillRequest("bad", {1, 2, 5000});
+  grpc::Status s = client.Prefill(bad, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "prompt_token_ids[2]")) << s.error_message();
+  EXPECT_EQ(client.Prefill(PrefillRequest("long", Prompt(1001, 1)), &resp).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::PrefillRequest dslp = PrefillRequest("dslp", Prompt(4, 1));
+  dslp.mutable_dslp()->set_world_size(2);
+  s = client.Prefill(dslp, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "dslp")) << s.error_message();
+  ASSERT_TRUE(client.Prefill(PrefillRequest("dup", Prompt(4, 1)), &resp).ok());
+  EXPECT_EQ(client.Prefill(PrefillRequest("dup", Prompt(4, 1)), &resp).error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(client.Release("nobody").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(client.Cancel("nobody").error_code(), grpc::StatusCode::NOT_FOUND);
+  const v1::PrefillStatus st = client.Status();
+  EXPECT_EQ(st.worker_id(), PrefillId("errors"));
+  EXPECT_EQ(st.device(), "cpu");
+  EXPECT_EQ(st.exports(), 1);
+  EXPECT_GT(st.ring_slots(), 0);
+  EXPECT_GT(st.ring_slot_bytes(), 0);
+  EXPECT_GT(st.last_peak_device_bytes(), 0);
+  // SIGTERM: drains (nobody releases "dup" within --drain-seconds), exits 0, frees the export.
+  EXPECT_EQ(prefill->Terminate(), 0);
+  EXPECT_TRUE(ShmWithPrefix(ExportPrefix("errors")).empty());
+}
+
+class FakeRegistry final : public registry::v1::WorkerRegistry::Service {
+ public:
+  grpc::Status Register(grpc::ServerContext*, const registry::v1::RegisterRequest* req,
+                        registry::v1::RegisterResponse* resp) override {
+    absl::MutexLock lock(&mu_);
+    registers_.push_back(*req);
+    resp->set_heartbeat_interval_ms(20);
+    return grpc::Status::OK;
+  }
+  grpc::Status Heartbeat(grpc::ServerContext*, const registry::v1::HeartbeatRequest* req,
+                         registry::v1::HeartbeatResponse*) override {
+    absl::MutexLock lock(&mu_);
+    heartbeats_.push_back(*req);
+    return grpc::Status::OK;
+  }
+  std::vector<registry::v1::RegisterRequest> registers() {
+    absl::MutexLock lock(&mu_);
+    return registers_;
+  }
+  std::vector<registry::v1::HeartbeatRequest> heartbeats() {
+    absl::MutexLock lock(&mu_);
+    return heartbeats_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<registry::v1::RegisterRequest> registers_ ABSL_GUARDED_BY(mu_);
+  std::vector<registry::v1::HeartbeatRequest> heartbeats_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(PrefillWorkerTest, RegistersWithTheRouterAsAPrefillWorkerAndHeartbeats) {
+  const std::string router_sock = g_shared->dir.File("router.sock");
+  FakeRegistry registry;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + router_sock, grpc::InsecureServerCredentials());
+  builder.RegisterService(&registry);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto prefill = StartPrefill("reg", {"--router", "unix:" + router_sock, "--heartbeat-ms", "50"});
+  ASSERT_NE(prefill, nullptr);
+  EXPECT_TRUE(Eventually([&] { return registry.heartbeats().size() >= 2; }))
+      << prefill->child().ReadStderr();
+  const auto regs = registry.registers();
+  ASSERT_FALSE(regs.empty());
+  EXPECT_EQ(regs[0].kind(), registry::v1::WORKER_KIND_PREFILL);
+  EXPECT_EQ(regs[0].worker_id(), PrefillId("reg"));
+  EXPECT_EQ(regs[0].endpoint(), "unix:" + prefill->socket());
+  EXPECT_EQ(regs[0].device(), "cpu");
+  EXPECT_EQ(regs[0].pid(), prefill->child().pid());
+  const auto beats = registry.heartbeats();
+  EXPECT_EQ(beats.back().load().batch_size(), 1);
+  EXPECT_GT(beats.back().load().kv_blocks_total(), 0);
+  EXPECT_EQ(prefill->Terminate(), 0);
+  server->Shutdown();
+}
+
+TEST_F(PrefillWorkerTest, BadFlagsExitNonZeroWithAMessage) {
+  struct Case {
+    std::vector<std::string> flags;
+    int code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--device", "gpu"}, 2, "--device"},
+      {{"--kv-export", "nfs"}, 2, "--kv-export"},
+      {{"--kv-export", "cuda-ipc"}, 2, "cuda"},
+      {{"--export-timeout-seconds", "0"}, 2, "export-timeout"},
+      {{"--max-prompt-tokens", "5000"}, 2, "max_position_embeddings"},
+      {{"--stream-budget-mb", "0", "--max-prompt-tokens", "100", "--device-memory-mb", "1"},
+       1,
+       "do not fit"},
+      {{"--device", "cuda:0"}, 1, "cuda"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat("case ", i));
+    std::vector<std::string> argv = {kPrefillWorker, "--model", g_shared->model, "--socket",
+                                     g_shared->dir.File(absl::StrCat("flags-", i, "/p.sock"))};
+    argv.insert(argv.end(), c.flags.begin(), c.flags.end());
+    ChildOptions o;
+    o.argv = std::move(argv);
+    o.stderr_path = g_shared->dir.File(absl::StrCat("flags-", i, ".err"));
+    auto child = ChildProcess::Start(std::move(o));
+    ASSERT_TRUE(child.ok());
+    auto code = child->WaitForExit(60s);
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, c.code) << child->ReadStderr();
+    EXPECT_TRUE(absl::StrContains(child->ReadStderr(), c.message)) << child->ReadStderr();
+    ++i;
+  }
+}
+
+}  // namespace
+}  // namespace hmoe::prefill
