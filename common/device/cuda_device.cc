@@ -54,6 +54,7 @@
 #include "common/device/cuda_plan.h"
 #include "common/device/device.h"
 #include "common/device/memory_budget.h"
+#include "common/device/native_stream.h"
 #include "common/kernels/cuda/cuda_backend.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/shared_math.h"
@@ -806,6 +807,11 @@ class CudaDevice final : public Device {
 }  // namespace
 
 int CudaDeviceCount() { return cuda::DeviceCount(); }
+
+void* NativeCudaStream(Stream& stream) {
+  auto* cuda_stream = dynamic_cast<CudaStream*>(&stream);
+  return cuda_stream != nullptr ? static_cast<void*>(cuda_stream->get()) : nullptr;
+}
 
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal, size_t budget_bytes) {
   const int count = cuda::DeviceCount();
