@@ -504,26 +504,18 @@ absl::Status ShmCollective::GroupFailure() const {
                                              "); the group must re-form"));
 }
 
-absl::Status ShmCollective::CheckPeers(const std::vector<int>& peers) {
+std::pair<int, int> ShmCollective::FindFailedPeer(const std::vector<int>& peers) const {
   const int64_t now = MonotonicNs();
   const int64_t timeout_ns = absl::ToInt64Nanoseconds(options_.peer_timeout);
   for (int p : peers) {
     const RankSlot& slot = mapping_->slot(p);
+    // Acquire: pairs with the departing rank's release store, after its last channel writes.
     const int32_t state = slot.state.load(std::memory_order_acquire);
-    int reason = kNoFailure;
-    if (state == kSlotDeparted) {
-      reason = kLeft;
-    } else if (!ProcessAlive(slot.pid.load(std::memory_order_relaxed))) {
-      reason = kDied;
-    } else if (now - slot.heartbeat_ns.load(std::memory_order_relaxed) > timeout_ns) {
-      reason = kHung;
-    }
-    if (reason != kNoFailure) {
-      FailGroup(p, reason);
-      return GroupFailure();
-    }
+    if (state == kSlotDeparted) return {p, kLeft};
+    if (!ProcessAlive(slot.pid.load(std::memory_order_relaxed))) return {p, kDied};
+    if (now - slot.heartbeat_ns.load(std::memory_order_relaxed) > timeout_ns) return {p, kHung};
   }
-  return absl::OkStatus();
+  return {-1, kNoFailure};
 }
 
 void ShmCollective::ResetCounters() {
@@ -540,16 +532,11 @@ absl::Status ShmCollective::Exchange(std::vector<Transfer>& sends, std::vector<T
     std::memcpy(t.header, &seq, 8);
     std::memcpy(t.header + 8, &t.bytes, 8);
   }
-  std::vector<int> peers;
-  for (const auto* list : {&sends, &recvs}) {
-    for (const Transfer& t : *list) {
-      if (std::find(peers.begin(), peers.end(), t.peer) == peers.end()) peers.push_back(t.peer);
-    }
-  }
   const absl::Time deadline = options_.op_timeout == absl::InfiniteDuration()
                                   ? absl::InfiniteFuture()
                                   : absl::Now() + options_.op_timeout;
   RankSlot& self = mapping_->slot(rank_);
+  bool rechecked = false;
 
   // Copies message bytes [t.moved, t.moved + n) to or from the ring at byte position `pos`.
   auto copy = [&](Transfer& t, std::byte* ring, uint64_t pos, uint64_t n, bool to_ring) {
@@ -623,9 +610,32 @@ absl::Status ShmCollective::Exchange(std::vector<Transfer>& sends, std::vector<T
       all_done = all_done && t.done();
     }
     if (all_done) break;
-    if (progress) continue;
+    if (progress) {
+      rechecked = false;
+      continue;
+    }
     HMOE_RETURN_IF_ERROR(GroupFailure());
-    HMOE_RETURN_IF_ERROR(CheckPeers(peers));
+    // Only peers this rank still waits for matter: one that finished its part and left is fine.
+    std::vector<int> pending;
+    for (const auto* list : {&sends, &recvs}) {
+      for (const Transfer& t : *list) {
+        if (!t.done() && std::find(pending.begin(), pending.end(), t.peer) == pending.end()) {
+          pending.push_back(t.peer);
+        }
+      }
+    }
+    if (const auto [peer, reason] = FindFailedPeer(pending); peer >= 0) {
+      // A peer may write its last bytes and then leave between this rank's look at the channels
+      // and at the peer: look at the channels once more (everything it wrote before leaving is
+      // visible now) before declaring the collective failed.
+      if (!rechecked) {
+        rechecked = true;
+        continue;
+      }
+      FailGroup(peer, reason);
+      return GroupFailure();
+    }
+    rechecked = false;
     if (absl::Now() > deadline) {
       FailGroup(rank_, kTimeout);
       return absl::DeadlineExceededError(

@@ -34,6 +34,7 @@
 #include <stop_token>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -125,8 +126,8 @@ class ShmCollective final : public Collective {
   void HeartbeatLoop(std::stop_token stop);
   // Runs the sends and receives of one collective to completion (or failure).
   absl::Status Exchange(std::vector<Transfer>& sends, std::vector<Transfer>& recvs);
-  // OK while every peer in `peers` is alive; otherwise marks the group failed and returns why.
-  absl::Status CheckPeers(const std::vector<int>& peers);
+  // The first peer of `peers` that died, left or stopped responding, and why; {-1, 0} if none.
+  std::pair<int, int> FindFailedPeer(const std::vector<int>& peers) const;
   absl::Status GroupFailure() const;
   void FailGroup(int culprit, int reason);
   void Ring(int peer);
