@@ -131,6 +131,7 @@ DslpLayerStats DslpStats::Sum() const {
     s.combine_bytes += l.combine_bytes;
     s.meta_bytes += l.meta_bytes;
     s.routed_pairs += l.routed_pairs;
+    s.local_pairs += l.local_pairs;
   }
   return s;
 }
@@ -174,8 +175,14 @@ class DslpRank::Impl final : public DistributedHooks {
   int world() const { return world_; }
 
  private:
-  uint64_t SentSince(uint64_t before) const { return comm_.counters().total_sent() - before; }
-  uint64_t Sent() const { return comm_.counters().total_sent(); }
+  // Adds the bytes sent to each peer since `before` to `per_peer`; returns their sum.
+  uint64_t Account(const CommCounters& before, std::vector<uint64_t>* per_peer) const {
+    const CommCounters d = comm_.counters().Minus(before);
+    for (size_t p = 0; p < d.bytes_sent.size() && p < per_peer->size(); ++p) {
+      (*per_peer)[p] += d.bytes_sent[p];
+    }
+    return d.total_sent();
+  }
   absl::Status Run(std::span<const int32_t> prompt, KvSequence& sequence, DslpResult* result);
   // out[dst_rows[i]] += dst_weights[i] * MLP(in[i]) for i < rows (device row lists).
   absl::Status Mlp(Stream& st, const MlpWeights& m, const float* in, int64_t rows,
@@ -207,6 +214,7 @@ class DslpRank::Impl final : public DistributedHooks {
   std::optional<ZigZagPlan> plan_;
   std::vector<int64_t> rank_tokens_;   // tokens per rank
   std::vector<int64_t> rank_offsets_;  // first row of each rank in rank-major order
+  std::vector<int32_t> local_positions_, all_positions_;  // this rank's; every rank's, rank-major
   int64_t max_rank_tokens_ = 0;
   DslpStats stats_;
   double route_s_ = 0, moe_s_ = 0;  // hook time inside RunAttention / RunFfn, per layer
@@ -252,6 +260,10 @@ absl::Status DslpRank::Impl::Run(std::span<const int32_t> prompt, KvSequence& se
   stats_.ep_mode = options_.ep_mode;
   stats_.prompt_tokens = total;
   stats_.layers.assign(layers, DslpLayerStats());
+  for (auto* v :
+       {&stats_.ring_sent, &stats_.dispatch_sent, &stats_.combine_sent, &stats_.meta_sent}) {
+    v->assign(world_, 0);
+  }
   const CommCounters comm_before = comm_.counters();
 
   rank_tokens_.assign(world_, 0);
@@ -263,6 +275,12 @@ absl::Status DslpRank::Impl::Run(std::span<const int32_t> prompt, KvSequence& se
     max_rank_tokens_ = std::max(max_rank_tokens_, rank_tokens_[p]);
   }
   const std::vector<int32_t> positions = plan.positions_of(rank_);
+  local_positions_ = positions;
+  all_positions_.clear();
+  for (int p = 0; p < world_; ++p) {
+    const std::vector<int32_t> of = plan.positions_of(p);
+    all_positions_.insert(all_positions_.end(), of.begin(), of.end());
+  }
   std::vector<int32_t> tokens;
   tokens.reserve(positions.size());
   for (int32_t p : positions) tokens.push_back(prompt[p]);
@@ -378,12 +396,12 @@ absl::Status DslpRank::Impl::Attention(const AttentionHookArgs& a) {
     const int64_t n_src = rank_tokens_[src];
     HMOE_ASSIGN_OR_RETURN(float* recv, ring_[j % 2].Get<float>(dev_, max_rank_tokens_ * row));
     t = absl::Now();
-    const uint64_t before = Sent();
+    const CommCounters before = comm_.counters();
     HMOE_RETURN_IF_ERROR(comm_.RingSendRecv(st, send, send_tokens * row * sizeof(float), recv,
                                             n_src * row * sizeof(float)));
     HMOE_RETURN_IF_ERROR(dev_.KvCacheWrite(st, a.cache, slots + rank_offsets_[src], n_src, recv,
                                            row, recv + rkv, row, rkv));
-    ls.ring_bytes += SentSince(before);
+    ls.ring_bytes += Account(before, &stats_.ring_sent);
     ls.ring_s += Since(t);
     t = absl::Now();
     const int sa = plan.first_chunk(src), sb = plan.second_chunk(src);
@@ -423,9 +441,9 @@ absl::Status DslpRank::Impl::Route(const RouteHookArgs& a) {
     HMOE_ASSIGN_OR_RETURN(float* weights, w_all_.Get<float>(dev_, total * top_k_));
     const Layout layout = Layout::Rows(rank_tokens_, hidden_ * sizeof(float));
     absl::Time t = absl::Now();
-    const uint64_t before = Sent();
+    const CommCounters before = comm_.counters();
     HMOE_RETURN_IF_ERROR(comm_.AllGatherV(st, a.x, x_all, layout.counts, layout.offsets));
-    ls.dispatch_bytes += SentSince(before);
+    ls.dispatch_bytes += Account(before, &stats_.dispatch_sent);
     ls.dispatch_s += Since(t);
     t = absl::Now();
     HMOE_RETURN_IF_ERROR(
@@ -570,11 +588,15 @@ absl::Status DslpRank::Impl::MoeStandard(const MoeHookArgs& a) {
     send_pairs[p] = per_expert[FirstExpertOfRank(num_experts_, world_, p + 1)] -
                     per_expert[FirstExpertOfRank(num_experts_, world_, p)];
   }
+  ls.local_pairs += send_pairs[rank_];
+  if (options_.routing_observer) {
+    options_.routing_observer(a.layer, local_positions_, k, host_ids_.data());
+  }
   ls.gate_sort_s += Since(t);
 
   // Dispatch: pair counts, expert ids, hidden rows.
   t = absl::Now();
-  uint64_t before = Sent();
+  CommCounters before = comm_.counters();
   std::vector<int64_t> recv_pairs;
   HMOE_RETURN_IF_ERROR(ExchangeCounts(st, send_pairs, &recv_pairs));
   int64_t received = 0;
@@ -590,7 +612,7 @@ absl::Status DslpRank::Impl::MoeStandard(const MoeHookArgs& a) {
   std::vector<int32_t> recv_expert(received);
   HMOE_RETURN_IF_ERROR(
       dev_.CopyToHost(st, recv_expert.data(), dev_recv_experts, received * sizeof(int32_t)));
-  ls.meta_bytes += SentSince(before);
+  ls.meta_bytes += Account(before, &stats_.meta_sent);
   HMOE_ASSIGN_OR_RETURN(int32_t * dev_pair_rows, pair_rows_.Get<int32_t>(dev_, pairs));
   HMOE_ASSIGN_OR_RETURN(float* dev_pair_weights, pair_weights_.Get<float>(dev_, pairs));
   HMOE_ASSIGN_OR_RETURN(float* send_rows, send_rows_.Get<float>(dev_, pairs * hidden_));
@@ -603,10 +625,10 @@ absl::Status DslpRank::Impl::MoeStandard(const MoeHookArgs& a) {
       dev_.GatherRows(st, a.x, hidden_, dev_pair_rows, pairs, hidden_, send_rows, hidden_));
   const Layout send_layout = Layout::Rows(send_pairs, row_bytes);
   const Layout recv_layout = Layout::Rows(recv_pairs, row_bytes);
-  before = Sent();
+  before = comm_.counters();
   HMOE_RETURN_IF_ERROR(comm_.AllToAllV(st, send_rows, send_layout.counts, send_layout.offsets,
                                        recv_rows, recv_layout.counts, recv_layout.offsets));
-  ls.dispatch_bytes += SentSince(before);
+  ls.dispatch_bytes += Account(before, &stats_.dispatch_sent);
   HMOE_RETURN_IF_ERROR(st.Synchronize());  // recv_expert is read below
   ls.dispatch_s += Since(t);
 
@@ -634,10 +656,10 @@ absl::Status DslpRank::Impl::MoeStandard(const MoeHookArgs& a) {
   // Combine: the outputs go back to the tokens' ranks, in the order they came.
   t = absl::Now();
   HMOE_ASSIGN_OR_RETURN(float* back_rows, back_rows_.Get<float>(dev_, pairs * hidden_));
-  before = Sent();
+  before = comm_.counters();
   HMOE_RETURN_IF_ERROR(comm_.AllToAllV(st, y_rows, recv_layout.counts, recv_layout.offsets,
                                        back_rows, send_layout.counts, send_layout.offsets));
-  ls.combine_bytes += SentSince(before);
+  ls.combine_bytes += Account(before, &stats_.combine_sent);
   ls.combine_s += Since(t);
 
   // Shared experts, then the routed outputs weighted, in increasing expert id per token.
@@ -671,6 +693,9 @@ absl::Status DslpRank::Impl::MoeSmallEp(const MoeHookArgs& a) {
   HMOE_RETURN_IF_ERROR(
       dev_.CopyToHost(st, host_weights_.data(), weights, total * k * sizeof(float)));
   HMOE_RETURN_IF_ERROR(st.Synchronize());
+  if (options_.routing_observer) {
+    options_.routing_observer(a.layer, all_positions_, k, host_ids_.data());
+  }
   std::vector<std::vector<int32_t>> rows_of(expert_end_ - expert_begin_);
   std::vector<std::vector<float>> weights_of(expert_end_ - expert_begin_);
   int64_t kept = 0;
@@ -681,6 +706,7 @@ absl::Status DslpRank::Impl::MoeSmallEp(const MoeHookArgs& a) {
       rows_of[e - expert_begin_].push_back(static_cast<int32_t>(row));
       weights_of[e - expert_begin_].push_back(host_weights_[row * k + j]);
       ++kept;
+      if (row >= rank_offsets_[rank_] && row < rank_offsets_[rank_] + n) ++ls.local_pairs;
     }
   }
   ls.gate_sort_s += Since(t);
@@ -698,10 +724,10 @@ absl::Status DslpRank::Impl::MoeSmallEp(const MoeHookArgs& a) {
   HMOE_ASSIGN_OR_RETURN(float* recv, recv_partial_.Get<float>(dev_, world_ * n * hidden_));
   const Layout send_layout = Layout::Rows(rank_tokens_, hidden_ * sizeof(float));
   const Layout recv_layout = Layout::Rows(std::vector<int64_t>(world_, n), hidden_ * sizeof(float));
-  const uint64_t before = Sent();
+  const CommCounters before = comm_.counters();
   HMOE_RETURN_IF_ERROR(comm_.AllToAllV(st, partial, send_layout.counts, send_layout.offsets, recv,
                                        recv_layout.counts, recv_layout.offsets));
-  ls.combine_bytes += SentSince(before);
+  ls.combine_bytes += Account(before, &stats_.combine_sent);
   ls.combine_s += Since(t);
 
   // Shared experts of the local tokens, then the partials in rank order.

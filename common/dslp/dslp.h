@@ -36,6 +36,7 @@
 // Thread-compatibility: a DslpRank is driven by one thread.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -90,6 +91,12 @@ int RankOfExpert(int64_t num_experts, int world_size, int64_t expert);
 
 struct DslpOptions {
   EpMode ep_mode = EpMode::kSmallEp;
+  // When set, called for every MoE layer with the router's choice in host memory: ids[i * top_k
+  // + j] for the tokens at positions[i] (standard EP: this rank's tokens; SmallEP: the whole
+  // prompt, rank-major). On the driving thread. For tests and expert-load statistics.
+  std::function<void(int64_t layer, std::span<const int32_t> positions, int64_t top_k,
+                     const int32_t* ids)>
+      routing_observer;
 };
 
 // Where one layer's time went on this rank (wall seconds on the driving thread) and what it sent.
@@ -112,6 +119,7 @@ struct DslpLayerStats {
   uint64_t combine_bytes = 0;   // expert outputs (standard) / partial sums (SmallEP)
   uint64_t meta_bytes = 0;      // counts and expert ids (standard EP)
   int64_t routed_pairs = 0;     // (token, expert) pairs this rank computed
+  int64_t local_pairs = 0;      // of those, pairs of this rank's own tokens
 };
 
 struct DslpStats {
@@ -122,8 +130,10 @@ struct DslpStats {
   int64_t local_tokens = 0;
   double total_s = 0;
   std::vector<DslpLayerStats> layers;
-  // Per peer, over the whole prefill.
+  // Per peer, over the whole prefill: everything, and by purpose (payload bytes sent to peer p
+  // at index p; see DslpLayerStats).
   CommCounters comm;
+  std::vector<uint64_t> ring_sent, dispatch_sent, combine_sent, meta_sent;
 
   DslpLayerStats Sum() const;
 };

@@ -132,8 +132,24 @@ absl::StatusOr<Rig> MakeRig(int64_t prompt_len) {
   return rig;
 }
 
+// Where the routing observer of the running prefill writes ([layer][position][top_k]).
+std::vector<int32_t>* g_routing = nullptr;
+
+void ObserveRouting(int64_t layer, std::span<const int32_t> positions, int64_t top_k,
+                    const int32_t* ids) {
+  const int64_t n = absl::GetFlag(FLAGS_prompt_len);
+  for (size_t i = 0; i < positions.size(); ++i) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      (*g_routing)[(layer * n + positions[i]) * top_k + j] = ids[i * top_k + j];
+    }
+  }
+}
+
 dslp_test::PrefillRecord RunPrefill(Rig& rig, DslpRank& dslp, const std::vector<int32_t>& prompt) {
   dslp_test::PrefillRecord record;
+  const ModelConfig& config = rig.checkpoint->config();
+  record.routing.assign(config.num_hidden_layers * prompt.size() * config.num_experts_per_tok, -1);
+  g_routing = &record.routing;
   KvSequence seq = rig.cache->NewSequence();
   absl::StatusOr<DslpResult> result = dslp.Prefill(prompt, seq);
   record.status_code = static_cast<int32_t>(result.status().code());
@@ -144,6 +160,10 @@ dslp_test::PrefillRecord RunPrefill(Rig& rig, DslpRank& dslp, const std::vector<
   record.layers = stats.layers;
   record.bytes_sent = stats.comm.bytes_sent;
   record.bytes_received = stats.comm.bytes_received;
+  record.ring_sent = stats.ring_sent;
+  record.dispatch_sent = stats.dispatch_sent;
+  record.combine_sent = stats.combine_sent;
+  record.meta_sent = stats.meta_sent;
   record.local_tokens = stats.local_tokens;
   record.total_s = stats.total_s;
   if (dslp.rank() == 0) {
@@ -198,6 +218,7 @@ int Main() {
     DyingCollective dying(**comm, absl::GetFlag(FLAGS_die_at_op));
     DslpOptions options;
     options.ep_mode = *mode;
+    options.routing_observer = ObserveRouting;
     auto dslp = DslpRank::Create(*rig->engine, dying, options);
     if (!dslp.ok()) {
       HMOE_LOG(ERROR) << dslp.status();
@@ -221,6 +242,7 @@ int Main() {
     }
     DslpOptions options;
     options.ep_mode = *mode;
+    options.routing_observer = ObserveRouting;
     auto dslp = DslpRank::Create(*rig->engine, **comm, options);
     if (!dslp.ok()) return 6;
     out.prefills.push_back(RunPrefill(*rig, **dslp, prompt));

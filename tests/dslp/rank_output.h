@@ -35,6 +35,10 @@ struct PrefillRecord {
   std::vector<uint8_t> kv;    // rank 0: the KV cache in the hand-off format
   std::vector<DslpLayerStats> layers;
   std::vector<uint64_t> bytes_sent, bytes_received;
+  std::vector<uint64_t> ring_sent, dispatch_sent, combine_sent, meta_sent;
+  // The router's choice as this rank saw it: [layer][position][top_k] expert ids, -1 where the
+  // rank did not see the token (standard EP: other ranks' tokens) or the layer is dense.
+  std::vector<int32_t> routing;
   int64_t local_tokens = 0;
   double total_s = 0;
 };
@@ -87,6 +91,11 @@ inline absl::Status WriteRankOutput(const std::string& path, const RankOutput& o
     PutVec(f, p.layers);
     PutVec(f, p.bytes_sent);
     PutVec(f, p.bytes_received);
+    PutVec(f, p.ring_sent);
+    PutVec(f, p.dispatch_sent);
+    PutVec(f, p.combine_sent);
+    PutVec(f, p.meta_sent);
+    PutVec(f, p.routing);
     Put(f, p.local_tokens);
     Put(f, p.total_s);
   }
@@ -110,7 +119,9 @@ inline absl::StatusOr<RankOutput> ReadRankOutput(const std::string& path) {
     std::vector<char> msg;
     if (!Get(f, &p.status_code) || !GetVec(f, &msg) || !GetVec(f, &p.logits) || !GetVec(f, &p.kv) ||
         !GetVec(f, &p.layers) || !GetVec(f, &p.bytes_sent) || !GetVec(f, &p.bytes_received) ||
-        !Get(f, &p.local_tokens) || !Get(f, &p.total_s)) {
+        !GetVec(f, &p.ring_sent) || !GetVec(f, &p.dispatch_sent) || !GetVec(f, &p.combine_sent) ||
+        !GetVec(f, &p.meta_sent) || !GetVec(f, &p.routing) || !Get(f, &p.local_tokens) ||
+        !Get(f, &p.total_s)) {
       return absl::DataLossError(absl::StrCat("truncated rank output ", path));
     }
     p.status_message.assign(msg.begin(), msg.end());
