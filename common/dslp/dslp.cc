@@ -594,6 +594,11 @@ absl::Status DslpRank::Impl::MoeStandard(const MoeHookArgs& a) {
   }
   ls.gate_sort_s += Since(t);
 
+  // Shared experts of the local tokens first (the engine's order of modules and of the sum).
+  t = absl::Now();
+  HMOE_RETURN_IF_ERROR(SharedExperts(a.layer, st, a.x, n, a.delta));
+  ls.shared_s += Since(t);
+
   // Dispatch: pair counts, expert ids, hidden rows.
   t = absl::Now();
   CommCounters before = comm_.counters();
@@ -662,10 +667,8 @@ absl::Status DslpRank::Impl::MoeStandard(const MoeHookArgs& a) {
   ls.combine_bytes += Account(before, &stats_.combine_sent);
   ls.combine_s += Since(t);
 
-  // Shared experts, then the routed outputs weighted, in increasing expert id per token.
-  t = absl::Now();
-  HMOE_RETURN_IF_ERROR(SharedExperts(a.layer, st, a.x, n, a.delta));
-  ls.shared_s += Since(t);
+  // The routed outputs weighted onto the shared experts' result, in increasing expert id per
+  // token.
   t = absl::Now();
   HMOE_RETURN_IF_ERROR(dev_.ScatterAddRows(st, back_rows, hidden_, dev_pair_rows, dev_pair_weights,
                                            pairs, hidden_, a.delta, hidden_));
@@ -711,6 +714,11 @@ absl::Status DslpRank::Impl::MoeSmallEp(const MoeHookArgs& a) {
   }
   ls.gate_sort_s += Since(t);
 
+  // Shared experts of the local tokens first (the engine's order of modules and of the sum).
+  t = absl::Now();
+  HMOE_RETURN_IF_ERROR(SharedExperts(a.layer, st, a.x, n, a.delta));
+  ls.shared_s += Since(t);
+
   t = absl::Now();
   HMOE_ASSIGN_OR_RETURN(float* partial, partial_.Get<float>(dev_, total * hidden_));
   HMOE_RETURN_IF_ERROR(
@@ -730,10 +738,7 @@ absl::Status DslpRank::Impl::MoeSmallEp(const MoeHookArgs& a) {
   ls.combine_bytes += Account(before, &stats_.combine_sent);
   ls.combine_s += Since(t);
 
-  // Shared experts of the local tokens, then the partials in rank order.
-  t = absl::Now();
-  HMOE_RETURN_IF_ERROR(SharedExperts(a.layer, st, a.x, n, a.delta));
-  ls.shared_s += Since(t);
+  // Local reduction: the partials in rank order onto the shared experts' result.
   t = absl::Now();
   for (int q = 0; q < world_; ++q) {
     HMOE_RETURN_IF_ERROR(dev_.Add(st, a.delta, recv + q * n * hidden_, n * hidden_, a.delta));

@@ -205,6 +205,12 @@ class MicroBatch {
   // reserves KV blocks for every sequence (ResourceExhausted when the cache is full; nothing is
   // reserved then), and embeds the tokens.
   absl::Status BeginStep(std::span<const SequenceInput> inputs);
+  // Begins a distributed step (see DistributedStepInput); then RunAttention / RunFfn per layer
+  // and FinishStep as for BeginStep (FinishStep returns one entry: the last token's logits, or
+  // empty). InvalidArgument as BeginStep, plus: no hooks, positions not increasing or outside the
+  // prompt, logits wanted for a token that is not local; FailedPrecondition when the sequence is
+  // not empty; ResourceExhausted when the cache cannot hold the prompt.
+  absl::Status BeginDistributedStep(const DistributedStepInput& input);
   // Attention block of `layer`: input norm, q/kv projections, RoPE, KV cache write, MLA, o_proj,
   // residual add, post-attention norm, and the router of a MoE layer.
   absl::Status RunAttention(int64_t layer);
@@ -216,13 +222,6 @@ class MicroBatch {
   absl::StatusOr<std::vector<std::vector<float>>> FinishStep();
   // BeginStep + every layer + FinishStep.
   absl::StatusOr<std::vector<std::vector<float>>> RunStep(std::span<const SequenceInput> inputs);
-
-  // Begins a distributed step (see DistributedStepInput); then RunAttention / RunFfn per layer
-  // and FinishStep as for BeginStep (FinishStep returns one entry: the last token's logits, or
-  // empty). InvalidArgument as BeginStep, plus: no hooks, positions not increasing or outside the
-  // prompt, logits wanted for a token that is not local; FailedPrecondition when the sequence is
-  // not empty; ResourceExhausted when the cache cannot hold the prompt.
-  absl::Status BeginDistributedStep(const DistributedStepInput& input);
 
   Stream& stream() { return *stream_; }
   bool in_step() const { return phase_ != Phase::kIdle; }
