@@ -506,6 +506,19 @@ class CpuDevice final : public Device {
     return internal::CpuMlaAttention(kernels_, runner, args, /*decode=*/false);
   }
 
+  absl::Status MlaAttentionPartial(Stream&, const MlaAttentionArgs& args,
+                                   const MlaPartialState& state) override {
+    auto runner = [this](absl::FunctionRef<void(int, int)> job) { Parallel(job); };
+    return internal::CpuMlaAttention(kernels_, runner, args, /*decode=*/false, &state);
+  }
+
+  absl::Status MlaProjectLatent(Stream&, const MlaDimensions& dims, const LinearWeight& kv_b,
+                                const float* u, int64_t n, float* out,
+                                int64_t out_stride) override {
+    auto runner = [this](absl::FunctionRef<void(int, int)> job) { Parallel(job); };
+    return internal::CpuMlaProjectLatent(kernels_, runner, dims, kv_b, u, n, out, out_stride);
+  }
+
   absl::Status GatherRows(Stream&, const float* src, int64_t src_stride, const int32_t* rows,
                           int64_t n, int64_t cols, float* dst, int64_t dst_stride) override {
     if (n < 0 || cols < 0 || (n > 0 && (src == nullptr || rows == nullptr || dst == nullptr))) {

@@ -57,7 +57,15 @@ class ScratchBuffer {
 // segments (up to 8 per group) so W_UK^T/W_UV are read once per group; otherwise queries are
 // grouped per segment in tiles of 32 and keys are processed block by block with an online softmax
 // (no N x N scores).
+// With `partial`: MlaAttentionPartial (key ranges, the result merged into the state, no
+// projection).
 absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
-                             const MlaAttentionArgs& args, bool decode);
+                             const MlaAttentionArgs& args, bool decode,
+                             const MlaPartialState* partial = nullptr);
+
+// MlaProjectLatent: the same packing and kernels as the projection inside CpuMlaAttention.
+absl::Status CpuMlaProjectLatent(const CpuKernels& kernels, ParallelRunner run,
+                                 const MlaDimensions& dims, const LinearWeight& kv_b,
+                                 const float* u, int64_t n, float* out, int64_t out_stride);
 
 }  // namespace hmoe::internal

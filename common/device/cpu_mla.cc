@@ -51,14 +51,15 @@ struct ThreadScratch {
 
 thread_local ThreadScratch tls_scratch;
 
-absl::Status Validate(const MlaAttentionArgs& a) {
+// `partial`: MlaAttentionPartial, which neither projects (kv_b) nor writes `out`.
+absl::Status Validate(const MlaAttentionArgs& a, bool partial) {
   const MlaDimensions& d = a.dims;
   if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
       d.kv_lora_rank <= 0) {
     return absl::InvalidArgumentError("mla attention: non-positive dimension");
   }
-  if (a.q == nullptr || a.out == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
-      a.out_stride < d.num_heads * d.v_dim) {
+  if (a.q == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
+      (!partial && (a.out == nullptr || a.out_stride < d.num_heads * d.v_dim))) {
     return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
   }
   if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
@@ -73,9 +74,11 @@ absl::Status Validate(const MlaAttentionArgs& a) {
                                                      d.nope_dim, "]"));
     }
   }
-  HMOE_RETURN_IF_ERROR(CheckLinearWeight(a.kv_b, "mla attention kv_b"));
-  if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
-    return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+  if (!partial) {
+    HMOE_RETURN_IF_ERROR(CheckLinearWeight(a.kv_b, "mla attention kv_b"));
+    if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
+      return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+    }
   }
   if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
       a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
@@ -93,9 +96,11 @@ absl::Status Validate(const MlaAttentionArgs& a) {
   return absl::OkStatus();
 }
 
-// Sequence rows of one segment, [begin, begin + count) of the group, processed together.
-void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const Row* rows, int64_t count,
-               const float* qcat, float* acc, float* scores, float* row_max, float* row_sum) {
+// Sequence rows of one segment, [begin, begin + count) of the group, processed together, against
+// the keys [range.begin, range.end) (and causality).
+void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const MlaKeyRange& range,
+               const Row* rows, int64_t count, const float* qcat, float* acc, float* scores,
+               float* row_max, float* row_sum) {
   const MlaDimensions& d = a.dims;
   const int64_t rf = a.cache.row_floats;
   const int64_t rkv = d.kv_lora_rank;
@@ -103,28 +108,37 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const Row* rows
   const int32_t* table = a.block_tables + seg.block_table_offset;
   int64_t max_pos = 0;
   for (int64_t r = 0; r < count; ++r) max_pos = std::max(max_pos, rows[r].pos);
-  const int64_t num_keys = max_pos + 1;
+  const int64_t num_keys = std::min(max_pos + 1, range.end);
+  const int64_t first_key = range.begin;
   const float scale = d.softmax_scale;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  for (int64_t k0 = 0; k0 < num_keys; k0 += bs) {
+  for (int64_t k0 = first_key / bs * bs; k0 < num_keys; k0 += bs) {
     const int64_t nk = std::min(bs, num_keys - k0);
     const float* keys = a.cache.base + static_cast<int64_t>(table[k0 / bs]) * a.cache.block_stride;
+    // Keys of the block before the range (partial attention) may not be written yet: never read.
+    const int64_t j0 = std::max<int64_t>(0, first_key - k0);
     // Scores [count][nk], masked (causal) to -inf.
     int64_t r = 0;
+    for (; r < count; ++r) {
+      for (int64_t j = 0; j < j0; ++j) scores[r * bs + j] = neg_inf;
+    }
+    r = 0;
     for (; r + 4 <= count; r += 4) {
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = j0; j < nk; ++j) {
         float s4[4];
         cpu::Dot4F32(qcat + r * rf, rf, keys + j * rf, rf, s4);
         for (int i = 0; i < 4; ++i) {
-          scores[(r + i) * bs + j] = k0 + j <= rows[r + i].pos ? s4[i] * scale : neg_inf;
+          scores[(r + i) * bs + j] =
+              k0 + j <= rows[r + i].pos && k0 + j >= first_key ? s4[i] * scale : neg_inf;
         }
       }
     }
     for (; r < count; ++r) {
-      for (int64_t j = 0; j < nk; ++j) {
-        scores[r * bs + j] =
-            k0 + j <= rows[r].pos ? cpu::DotF32(qcat + r * rf, keys + j * rf, rf) * scale : neg_inf;
+      for (int64_t j = j0; j < nk; ++j) {
+        scores[r * bs + j] = k0 + j <= rows[r].pos && k0 + j >= first_key
+                                 ? cpu::DotF32(qcat + r * rf, keys + j * rf, rf) * scale
+                                 : neg_inf;
       }
     }
     // Online softmax: rescale each row's accumulator to the new running max.
@@ -155,14 +169,14 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const Row* rows
     // u += p c over the latent part of the keys.
     r = 0;
     for (; r + 4 <= count; r += 4) {
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = j0; j < nk; ++j) {
         const float p[4] = {scores[r * bs + j], scores[(r + 1) * bs + j], scores[(r + 2) * bs + j],
                             scores[(r + 3) * bs + j]};
         cpu::Axpy4F32(p, keys + j * rf, acc + r * rkv, rkv, rkv);
       }
     }
     for (; r < count; ++r) {
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = j0; j < nk; ++j) {
         const float p = scores[r * bs + j];
         if (p != 0.0f) cpu::AxpyF32(p, keys + j * rf, acc + r * rkv, rkv);
       }
@@ -170,8 +184,44 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const Row* rows
   }
 }
 
-void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const std::vector<Row>& rows,
-             const Group& g, int64_t head) {
+// Folds one task's attention (unnormalized acc, running max and sum per row) into the partial
+// state of its rows (MlaPartialState).
+void MergePartial(const MlaDimensions& d, const MlaPartialState& state, const Row* rows, int64_t n,
+                  int64_t head, const float* acc, const float* row_max, const float* row_sum) {
+  const int64_t rkv = d.kv_lora_rank;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t index = rows[r].row * d.num_heads + head;
+    float* u = state.u + index * rkv;
+    float& lse = state.lse[index];
+    const float* a = acc + r * rkv;
+    if (row_sum[r] == 0.0f) {  // no visible key in this call
+      if (state.first) {
+        std::fill(u, u + rkv, 0.0f);
+        lse = neg_inf;
+      }
+      continue;
+    }
+    const float lse_new = row_max[r] + std::log(row_sum[r]);
+    if (state.first || lse == neg_inf) {
+      const float inv = 1.0f / row_sum[r];
+      for (int64_t i = 0; i < rkv; ++i) u[i] = a[i] * inv;
+      lse = lse_new;
+      continue;
+    }
+    const float m = std::max(lse, lse_new);
+    const float w_old = std::exp(lse - m);
+    const float w_new = std::exp(lse_new - m);
+    const float total = w_old + w_new;
+    const float c_old = w_old / total;
+    const float c_new = w_new / (total * row_sum[r]);  // acc is unnormalized
+    for (int64_t i = 0; i < rkv; ++i) u[i] = c_old * u[i] + c_new * a[i];
+    lse = m + std::log(total);
+  }
+}
+
+void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const MlaPartialState* partial,
+             const std::vector<Row>& rows, const Group& g, int64_t head) {
   const MlaDimensions& d = a.dims;
   const int64_t n = g.count;
   const int64_t rf = a.cache.row_floats;
@@ -210,9 +260,17 @@ void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const std::vector<R
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1;
     while (r1 < n && grow[r1].segment == grow[r0].segment) ++r1;
-    AttendRun(a, a.segments[grow[r0].segment], grow + r0, r1 - r0, qcat + r0 * rf, acc + r0 * rkv,
+    const int64_t segment = grow[r0].segment;
+    const MlaKeyRange range = partial != nullptr
+                                  ? a.key_ranges[segment]
+                                  : MlaKeyRange{0, std::numeric_limits<int64_t>::max()};
+    AttendRun(a, a.segments[segment], range, grow + r0, r1 - r0, qcat + r0 * rf, acc + r0 * rkv,
               scores + r0 * a.cache.block_size, row_max + r0, row_sum + r0);
     r0 = r1;
+  }
+  if (partial != nullptr) {
+    MergePartial(d, *partial, grow, n, head, acc, row_max, row_sum);
+    return;
   }
   for (int64_t r = 0; r < n; ++r) {
     const float inv = 1.0f / row_sum[r];  // > 0: every row sees at least key 0
@@ -234,8 +292,19 @@ void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const std::vector<R
 }  // namespace
 
 absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
-                             const MlaAttentionArgs& args, bool decode) {
-  HMOE_RETURN_IF_ERROR(Validate(args));
+                             const MlaAttentionArgs& args, bool decode,
+                             const MlaPartialState* partial) {
+  HMOE_RETURN_IF_ERROR(Validate(args, partial != nullptr));
+  if (partial != nullptr) {
+    if (args.key_ranges.size() != args.segments.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mla partial attention: ", args.key_ranges.size(), " key ranges for ",
+                       args.segments.size(), " segments"));
+    }
+    if (partial->u == nullptr || partial->lse == nullptr) {
+      return absl::InvalidArgumentError("mla partial attention: no state");
+    }
+  }
   // Rows in segment order; groups of rows.
   std::vector<Row> rows;
   std::vector<Group> groups;
@@ -267,14 +336,62 @@ absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
       // heads; handing heads out one by one would interleave the threads' streams).
       const int64_t begin = num_tasks * thread / threads;
       const int64_t end = num_tasks * (thread + 1) / threads;
-      for (int64_t task = begin; task < end; ++task) RunTask(kernels, args, rows, groups[0], task);
+      for (int64_t task = begin; task < end; ++task) {
+        RunTask(kernels, args, partial, rows, groups[0], task);
+      }
       return;
     }
     while (true) {
       // Relaxed: the counter only hands out task indices; inputs were published by the pool.
       const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
       if (task >= num_tasks) return;
-      RunTask(kernels, args, rows, groups[task / heads], task % heads);
+      RunTask(kernels, args, partial, rows, groups[task / heads], task % heads);
+    }
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuMlaProjectLatent(const CpuKernels& kernels, ParallelRunner run,
+                                 const MlaDimensions& d, const LinearWeight& kv_b, const float* u,
+                                 int64_t n, float* out, int64_t out_stride) {
+  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.v_dim <= 0 || d.kv_lora_rank <= 0 || n < 0) {
+    return absl::InvalidArgumentError("mla projection: non-positive dimension");
+  }
+  HMOE_RETURN_IF_ERROR(CheckLinearWeight(kv_b, "mla projection kv_b"));
+  if (kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || kv_b.cols != d.kv_lora_rank) {
+    return absl::InvalidArgumentError("mla projection: kv_b has the wrong shape");
+  }
+  if (n == 0) return absl::OkStatus();
+  if (u == nullptr || out == nullptr || out_stride < d.num_heads * d.v_dim) {
+    return absl::InvalidArgumentError("mla projection: bad pointers or stride");
+  }
+  // Tasks (head, group of rows), as step 3 of RunTask: the same packing and kernels.
+  const int64_t rkv = d.kv_lora_rank;
+  const int64_t groups = (n + kPrefillGroupRows - 1) / kPrefillGroupRows;
+  const int64_t num_tasks = groups * d.num_heads;
+  std::atomic<int64_t> next{0};
+  run([&](int, int) {
+    ThreadScratch& ts = tls_scratch;
+    const int64_t uv_stride = PackedRowBytes(kernels, kv_b);
+    while (true) {
+      // Relaxed: the counter only hands out task indices; inputs were published by the pool.
+      const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
+      if (task >= num_tasks) return;
+      const int64_t head = task % d.num_heads;
+      const int64_t t0 = task / d.num_heads * kPrefillGroupRows;
+      const int64_t rows = std::min(kPrefillGroupRows, n - t0);
+      const float* x = u + (t0 * d.num_heads + head) * rkv;
+      const int64_t x_stride = d.num_heads * rkv;
+      std::byte* packed = ts.packed.Get(std::max<int64_t>(64, rows * uv_stride));
+      PackRows(kernels, kv_b, x, x_stride, rows, packed, uv_stride);
+      float* o = reinterpret_cast<float*>(ts.out.Get(rows * d.v_dim * sizeof(float)));
+      const int64_t uv_begin = head * (d.nope_dim + d.v_dim) + d.nope_dim;
+      LinearRows(kernels, kv_b, packed, uv_stride, x, x_stride, rows, uv_begin, uv_begin + d.v_dim,
+                 o, d.v_dim);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(out + (t0 + r) * out_stride + head * d.v_dim, o + r * d.v_dim,
+                    d.v_dim * sizeof(float));
+      }
     }
   });
   return absl::OkStatus();

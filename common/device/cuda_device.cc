@@ -54,6 +54,7 @@
 #include "common/device/cuda_plan.h"
 #include "common/device/device.h"
 #include "common/device/memory_budget.h"
+#include "common/device/native_stream.h"
 #include "common/kernels/cuda/cuda_backend.h"
 #include "common/kernels/cuda/cuda_kernels.h"
 #include "common/kernels/shared_math.h"
@@ -332,14 +333,15 @@ absl::Status RunLinear(CudaStream& s, const LinearPlan& plan, std::byte* scratch
 
 // ---------------------------------------------------------------------------------- MLA
 
-absl::Status ValidateMla(const MlaAttentionArgs& a) {
+// `partial`: MlaAttentionPartial, which neither projects (kv_b) nor writes `out`.
+absl::Status ValidateMla(const MlaAttentionArgs& a, bool partial) {
   const MlaDimensions& d = a.dims;
   if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
       d.kv_lora_rank <= 0) {
     return absl::InvalidArgumentError("mla attention: non-positive dimension");
   }
-  if (a.q == nullptr || a.out == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
-      a.out_stride < d.num_heads * d.v_dim) {
+  if (a.q == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
+      (!partial && (a.out == nullptr || a.out_stride < d.num_heads * d.v_dim))) {
     return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
   }
   if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
@@ -357,9 +359,11 @@ absl::Status ValidateMla(const MlaAttentionArgs& a) {
       return absl::InvalidArgumentError("mla attention: W_UK^T heads of different dtypes");
     }
   }
-  HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(a.kv_b, "mla attention kv_b"));
-  if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
-    return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+  if (!partial) {
+    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(a.kv_b, "mla attention kv_b"));
+    if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
+      return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+    }
   }
   if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
       a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
@@ -395,8 +399,21 @@ absl::Status ValidateMla(const MlaAttentionArgs& a) {
 // straight from the weights (LaunchSmallLinear, batched over the heads: the weights are read once,
 // nothing is converted); otherwise W_UK^T and kv_b are first converted to compact F32 (FP8 scaled:
 // one F32 rounding of code * scale) for two strided batched F32 GEMMs over the heads.
-absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
-  HMOE_RETURN_IF_ERROR(ValidateMla(a));
+// With `partial` (MlaAttentionPartial): the attention core honours the key ranges and merges
+// into the state (LaunchMlaAttendPartial); there is no projection.
+absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
+                             const MlaPartialState* partial = nullptr) {
+  HMOE_RETURN_IF_ERROR(ValidateMla(a, partial != nullptr));
+  if (partial != nullptr) {
+    if (a.key_ranges.size() != a.segments.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("mla partial attention: ", a.key_ranges.size(),
+                                                     " key ranges for ", a.segments.size(),
+                                                     " segments"));
+    }
+    if (partial->u == nullptr || partial->lse == nullptr) {
+      return absl::InvalidArgumentError("mla partial attention: no state");
+    }
+  }
   const MlaDimensions& d = a.dims;
   const int64_t nh = d.num_heads, dn = d.nope_dim, dr = d.rope_dim, dv = d.v_dim;
   const int64_t rkv = d.kv_lora_rank;
@@ -406,7 +423,8 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
   const int64_t kvb_rows = nh * (dn + dv);
 
   const int64_t row_bytes = 4 * nh * (dn + row_floats + rkv + dv);
-  const MlaPlan plan = PlanMla(a.segments, a.dims.num_heads, kCudaMlaChunkBytes / row_bytes);
+  const MlaPlan plan = PlanMla(a.segments, a.dims.num_heads, kCudaMlaChunkBytes / row_bytes,
+                               partial != nullptr ? a.key_ranges : std::span<const MlaKeyRange>());
   const int64_t total_rows = static_cast<int64_t>(plan.q_rows.size());
   if (total_rows == 0) return absl::OkStatus();
   const int64_t chunk = std::min(plan.chunk_rows, total_rows);
@@ -432,7 +450,8 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
   ScratchLayout layout;
   const size_t meta_off = layout.Add(meta.size());
   const size_t uk_off = small ? 0 : layout.Add(static_cast<size_t>(nh * rkv * dn * 4));
-  const size_t kvb_off = small ? 0 : layout.Add(static_cast<size_t>(kvb_rows * rkv * 4));
+  const size_t kvb_off =
+      small || partial != nullptr ? 0 : layout.Add(static_cast<size_t>(kvb_rows * rkv * 4));
   const size_t qn_off = layout.Add(static_cast<size_t>(chunk * nh * dn * 4));
   const size_t qcat_off = layout.Add(static_cast<size_t>(chunk * nh * row_floats * 4));
   const size_t u_off = layout.Add(static_cast<size_t>(chunk * nh * rkv * 4));
@@ -448,11 +467,14 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
 
   auto* uk = reinterpret_cast<float*>(scratch + uk_off);
   auto* kvb = reinterpret_cast<float*>(scratch + kvb_off);
-  const WeightDesc kv_b = DescOf(a.kv_b);
+  const WeightDesc kv_b = partial != nullptr ? WeightDesc{} : DescOf(a.kv_b);
   if (!small) {
     HMOE_LAUNCH(cuda::LaunchPackWeights(descs_dev, static_cast<int>(nh), rkv * dn, uk, rkv * dn,
                                         cuda::PackMode::kF32, s.get()));
-    HMOE_LAUNCH(cuda::LaunchPackWeight(kv_b, 0, kvb_rows, rkv, kvb, cuda::PackMode::kF32, s.get()));
+    if (partial == nullptr) {
+      HMOE_LAUNCH(
+          cuda::LaunchPackWeight(kv_b, 0, kvb_rows, rkv, kvb, cuda::PackMode::kF32, s.get()));
+    }
   }
 
   cuda::MlaShape shape;
@@ -488,6 +510,12 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
                                               row_floats, nh));
     }
     const int64_t t0 = plan.chunk_tiles[c];
+    if (partial != nullptr) {
+      HMOE_LAUNCH(cuda::LaunchMlaAttendPartial(shape, qcat, cache, a.block_tables, tiles_dev + t0,
+                                               plan.chunk_tiles[c + 1] - t0, q_rows_dev + r0,
+                                               partial->u, partial->lse, partial->first, s.get()));
+      continue;
+    }
     HMOE_LAUNCH(cuda::LaunchMlaAttend(shape, qcat, cache, a.block_tables, tiles_dev + t0,
                                       plan.chunk_tiles[c + 1] - t0, u, s.get()));
     // o[t, h, :] = W_UV_h u[t, h]: W_UV_h is rows h * (dn + dv) + dn .. + dv of kv_b.
@@ -502,6 +530,61 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a) {
     }
     HMOE_LAUNCH(cuda::LaunchCopyRows(o, nh * dv, nullptr, a.out, a.out_stride, q_rows_dev + r0, rn,
                                      nh * dv, s.get()));
+  }
+  return absl::OkStatus();
+}
+
+// MlaProjectLatent: out[t, h] = W_UV_h u[t, h], the projection step of RunMlaAttention (small
+// batches straight from the weight, otherwise kv_b converted to F32 and one strided batched GEMM
+// over the heads on BF16-rounded u), then the rows copied to `out`.
+absl::Status RunMlaProject(CudaStream& s, const MlaDimensions& d, const LinearWeight& kv_b_w,
+                           const float* u, int64_t n, float* out, int64_t out_stride) {
+  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.v_dim <= 0 || d.kv_lora_rank <= 0 || n < 0) {
+    return absl::InvalidArgumentError("mla projection: non-positive dimension");
+  }
+  HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(kv_b_w, "mla projection kv_b"));
+  if (kv_b_w.rows < d.num_heads * (d.nope_dim + d.v_dim) || kv_b_w.cols != d.kv_lora_rank) {
+    return absl::InvalidArgumentError("mla projection: kv_b has the wrong shape");
+  }
+  if (n == 0) return absl::OkStatus();
+  if (u == nullptr || out == nullptr || out_stride < d.num_heads * d.v_dim) {
+    return absl::InvalidArgumentError("mla projection: bad pointers or stride");
+  }
+  const int64_t nh = d.num_heads, dn = d.nope_dim, dv = d.v_dim, rkv = d.kv_lora_rank;
+  const int64_t kvb_rows = nh * (dn + dv);
+  const bool uv_round = kv_b_w.dtype != DType::kF32;
+  const bool small = n <= cuda::kSmallLinearMaxTokens;
+  const WeightDesc kv_b = DescOf(kv_b_w);
+  // Rows per pass bound the temporaries (a copy of u to round, the outputs).
+  const int64_t chunk = std::max<int64_t>(1, kCudaMlaChunkBytes / (4 * nh * (rkv + dv)));
+  HMOE_RETURN_IF_ERROR(CheckGemmDims({nh * rkv, nh * dv, std::min(chunk, n)}, "mla projection"));
+  ScratchLayout layout;
+  const size_t kvb_off = small ? 0 : layout.Add(static_cast<size_t>(kvb_rows * rkv * 4));
+  const size_t ur_off = layout.Add(static_cast<size_t>(std::min(chunk, n) * nh * rkv * 4));
+  const size_t o_off = layout.Add(static_cast<size_t>(std::min(chunk, n) * nh * dv * 4));
+  HMOE_ASSIGN_OR_RETURN(std::byte * scratch, s.Scratch(layout.size()));
+  auto* kvb = reinterpret_cast<float*>(scratch + kvb_off);
+  auto* ur = reinterpret_cast<float*>(scratch + ur_off);
+  auto* o = reinterpret_cast<float*>(scratch + o_off);
+  if (!small) {
+    HMOE_LAUNCH(cuda::LaunchPackWeight(kv_b, 0, kvb_rows, rkv, kvb, cuda::PackMode::kF32, s.get()));
+  }
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t rn = std::min(chunk, n - r0);
+    const float* ur0 = u + r0 * nh * rkv;
+    if (small) {
+      HMOE_LAUNCH(cuda::LaunchSmallLinear(kv_b, nullptr, nh, dn, dn + dv, dv, ur0, rkv, nh * rkv,
+                                          rn, uv_round, o, dv, nh * dv, s.get()));
+    } else {
+      HMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ur, ur0, static_cast<size_t>(rn * nh * rkv) * 4,
+                                                cudaMemcpyDeviceToDevice, s.get()));
+      if (uv_round) HMOE_LAUNCH(cuda::LaunchRoundToBf16(ur, rn * nh * rkv, s.get()));
+      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/false, dv, rn, rkv,
+                                              kvb + dn * rkv, rkv, (dn + dv) * rkv, ur, nh * rkv,
+                                              rkv, o, nh * dv, dv, nh));
+    }
+    HMOE_LAUNCH(cuda::LaunchCopyRows(o, nh * dv, nullptr, out + r0 * out_stride, out_stride,
+                                     nullptr, rn, nh * dv, s.get()));
   }
   return absl::OkStatus();
 }
@@ -749,6 +832,19 @@ class CudaDevice final : public Device {
     return RunMlaAttention(Cuda(s), args);
   }
 
+  absl::Status MlaAttentionPartial(Stream& s, const MlaAttentionArgs& args,
+                                   const MlaPartialState& state) override {
+    HMOE_RETURN_IF_ERROR(Enter());
+    return RunMlaAttention(Cuda(s), args, &state);
+  }
+
+  absl::Status MlaProjectLatent(Stream& s, const MlaDimensions& dims, const LinearWeight& kv_b,
+                                const float* u, int64_t n, float* out,
+                                int64_t out_stride) override {
+    HMOE_RETURN_IF_ERROR(Enter());
+    return RunMlaProject(Cuda(s), dims, kv_b, u, n, out, out_stride);
+  }
+
   absl::Status GatherRows(Stream& s, const float* src, int64_t src_stride, const int32_t* rows,
                           int64_t n, int64_t cols, float* dst, int64_t dst_stride) override {
     if (n < 0 || cols < 0 || (n > 0 && (src == nullptr || rows == nullptr || dst == nullptr))) {
@@ -806,6 +902,11 @@ class CudaDevice final : public Device {
 }  // namespace
 
 int CudaDeviceCount() { return cuda::DeviceCount(); }
+
+void* NativeCudaStream(Stream& stream) {
+  auto* cuda_stream = dynamic_cast<CudaStream*>(&stream);
+  return cuda_stream != nullptr ? static_cast<void*>(cuda_stream->get()) : nullptr;
+}
 
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal, size_t budget_bytes) {
   const int count = cuda::DeviceCount();

@@ -2,10 +2,13 @@
 // and headers never need an #ifdef.
 
 #include "common/device/device.h"
+#include "common/device/native_stream.h"
 
 namespace hmoe {
 
 int CudaDeviceCount() { return 0; }
+
+void* NativeCudaStream(Stream& /*stream*/) { return nullptr; }
 
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int /*ordinal*/, size_t /*budget_bytes*/) {
   return absl::UnavailableError("built without CUDA (HMOE_CUDA=OFF or no nvcc)");

@@ -42,7 +42,8 @@ LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n) {
   return p;
 }
 
-MlaPlan PlanMla(std::span<const MlaSegment> segments, int64_t num_heads, int64_t chunk_rows) {
+MlaPlan PlanMla(std::span<const MlaSegment> segments, int64_t num_heads, int64_t chunk_rows,
+                std::span<const MlaKeyRange> key_ranges) {
   MlaPlan plan;
   std::vector<int64_t> seg_of_row, pos_of_row;
   for (size_t si = 0; si < segments.size(); ++si) {
@@ -73,6 +74,10 @@ MlaPlan PlanMla(std::span<const MlaSegment> segments, int64_t num_heads, int64_t
           t.num_queries = static_cast<int32_t>(std::min(queries_per_tile, run_end - q0));
           t.first_head = static_cast<int32_t>(h0);
           t.num_heads = static_cast<int32_t>(std::min(heads_per_tile, num_heads - h0));
+          if (!key_ranges.empty()) {
+            t.key_begin = key_ranges[seg_of_row[q0]].begin;
+            t.key_end = key_ranges[seg_of_row[q0]].end;
+          }
           plan.tiles.push_back(t);
         }
       }

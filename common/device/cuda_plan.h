@@ -79,7 +79,9 @@ struct MlaPlan {
   int64_t chunk_rows = 0;            // max(1, chunk_rows)
 };
 
-// Segments as MlaAttentionArgs::segments (validated: rows fit in int32).
-MlaPlan PlanMla(std::span<const MlaSegment> segments, int64_t num_heads, int64_t chunk_rows);
+// Segments as MlaAttentionArgs::segments (validated: rows fit in int32). With key_ranges (one
+// per segment: MlaAttentionPartial), each tile carries its segment's key range.
+MlaPlan PlanMla(std::span<const MlaSegment> segments, int64_t num_heads, int64_t chunk_rows,
+                std::span<const MlaKeyRange> key_ranges = {});
 
 }  // namespace hmoe::internal

@@ -245,6 +245,14 @@ struct MlaSegment {
   int64_t block_table_offset = 0;
 };
 
+// The keys a segment's queries see in MlaAttentionPartial (context parallelism, DSLP): positions
+// [begin, end) of the segment's sequence, further limited by causality (query i sees keys up to
+// start_pos + i).
+struct MlaKeyRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
 // Weight-absorbed MLA attention (MODEL-SPEC §3.7) of a batch of query rows against the paged
 // latent cache of one layer:
 //   q~_h = W_UK_h^T q_nope_h,  score(s) = softmax_scale * (q~_h . c_s + q_pe_h . k_pe_s),
@@ -268,6 +276,23 @@ struct MlaAttentionArgs {
   // Device pointer: row t, head h at out + t * out_stride + h * dv.
   float* out = nullptr;
   int64_t out_stride = 0;
+  // MlaAttentionPartial only (host array): one key range per segment. The other ops ignore it.
+  std::span<const MlaKeyRange> key_ranges;
+};
+
+// The running result of context-parallel attention (DSLP's ring pass-KV, paper §3.2) for query
+// rows whose keys arrive in several parts: per query row t (the row of q) and head h, the
+// softmax-weighted average of the latent of the keys seen so far,
+//   u[(t * num_heads + h) * kv_lora_rank ..+ kv_lora_rank],
+// and the natural log of the sum of exp(score) over those keys,
+//   lse[t * num_heads + h]   (-infinity: no key yet; u is then 0).
+// Merging the attention (u', lse') over further keys gives the attention over the union:
+//   lse'' = log(e^lse + e^lse'),  u'' = (e^lse u + e^lse' u') / e^lse''.
+struct MlaPartialState {
+  float* u = nullptr;    // device pointer
+  float* lse = nullptr;  // device pointer
+  // The call overwrites the state of its rows instead of merging into it (their first part).
+  bool first = false;
 };
 
 // ---------------------------------------------------------------------------------- Device
@@ -383,6 +408,24 @@ class Device {
   // MLA attention for prefill chunks: segments with many queries. Tiled (flash-style online
   // softmax over key tiles): memory use is independent of the square of the sequence length.
   virtual absl::Status MlaPrefillAttention(Stream& stream, const MlaAttentionArgs& args) = 0;
+
+  // Context-parallel MLA (DSLP): as MlaPrefillAttention for args.segments, but segment s's queries
+  // see only the keys of args.key_ranges[s] (and causality), and instead of projecting through
+  // W_UV the attention over those keys is merged into `state` (see MlaPartialState; args.kv_b,
+  // out and out_stride are not used). Rows that see no key of this call keep their state (with
+  // state.first: get u = 0, lse = -inf). The keys must be in the cache (block tables as for the
+  // other MLA ops). InvalidArgument when key_ranges.size() != segments.size().
+  virtual absl::Status MlaAttentionPartial(Stream& stream, const MlaAttentionArgs& args,
+                                           const MlaPartialState& state) = 0;
+
+  // The output projection of MLA for n rows of latent attention results (MlaPartialState::u
+  // layout): out[t * out_stride + h * v_dim + i] = (W_UV_h u[t, h])[i], W_UV_h = rows
+  // h * (nope_dim + v_dim) + nope_dim .. + v_dim of kv_b, with the Linear numerics (u rounded to
+  // BF16 for FP8/BF16 kv_b). CpuDevice: the same bits as the projection inside its
+  // MlaPrefillAttention on the same u.
+  virtual absl::Status MlaProjectLatent(Stream& stream, const MlaDimensions& dims,
+                                        const LinearWeight& kv_b, const float* u, int64_t n,
+                                        float* out, int64_t out_stride) = 0;
 
   // dst[i * dst_stride + c] = src[rows[i] * src_stride + c] for i < n, c < cols (rows: device
   // int32[n]).

@@ -132,9 +132,11 @@ struct MicroBatch::Scratch {
     int64_t count = 0;
     int64_t row = 0;  // its first row in the step
     bool want_logits = false;
+    int64_t commit_tokens = 0;  // the sequence's num_tokens() once the step finishes
   };
   std::vector<Input> inputs;
   int64_t num_tokens = 0;
+  int64_t total_tokens = 0;  // distributed steps: the whole prompt
   KvCache* cache = nullptr;
 };
 
@@ -206,6 +208,7 @@ absl::Status MicroBatch::Init() {
 void MicroBatch::Abort() {
   phase_ = Phase::kIdle;
   next_layer_ = 0;
+  hooks_ = nullptr;
   if (scratch_ != nullptr) {
     // Blocks reserved for the step stay with their sequences (they will be reused when the
     // sequence continues); nothing was committed.
@@ -219,7 +222,6 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
   if (phase_ != Phase::kIdle) {
     return absl::FailedPreconditionError("micro batch: BeginStep during a step");
   }
-  const Engine::Constants& k = *engine_->constants_;
   const EngineOptions& o = engine_->options_;
   const ModelConfig& c = engine_->config_;
   Device& dev = *engine_->device_;
@@ -308,6 +310,7 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
     si.count = static_cast<int64_t>(in.tokens.size());
     si.row = row;
     si.want_logits = in.want_logits;
+    si.commit_tokens = si.start + si.count;
     MlaSegment seg;
     seg.query_begin = row;
     seg.num_queries = si.count;
@@ -333,7 +336,13 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
   for (const MlaSegment& seg : sc.segments) {
     (seg.num_queries == 1 ? sc.decode_segments : sc.prefill_segments).push_back(seg);
   }
+  return UploadStep(start_time, static_cast<int64_t>(inputs.size()));
+}
 
+absl::Status MicroBatch::UploadStep(absl::Time start_time, int64_t num_sequences) {
+  const Engine::Constants& k = *engine_->constants_;
+  Device& dev = *engine_->device_;
+  Scratch& sc = *scratch_;
   Stream& st = *stream_;
   const int64_t n = sc.num_tokens;
   if (static_cast<int64_t>(sc.host_block_tables.size()) > sc.block_table_capacity) {
@@ -364,11 +373,103 @@ absl::Status MicroBatch::BeginStep(std::span<const SequenceInput> inputs) {
                                           static_cast<size_t>(n * k.hidden) * sizeof(float)));
   }
   stats_.num_tokens = n;
-  stats_.num_sequences = static_cast<int64_t>(inputs.size());
+  stats_.num_sequences = num_sequences;
   stats_.head_seconds += SecondsSince(start_time);
   phase_ = Phase::kAttention;
   next_layer_ = 0;
   return absl::OkStatus();
+}
+
+absl::Status MicroBatch::BeginDistributedStep(const DistributedStepInput& in) {
+  if (phase_ != Phase::kIdle) {
+    return absl::FailedPreconditionError("micro batch: BeginDistributedStep during a step");
+  }
+  const EngineOptions& o = engine_->options_;
+  const ModelConfig& c = engine_->config_;
+  Device& dev = *engine_->device_;
+  Scratch& sc = *scratch_;
+  const absl::Time start_time = absl::Now();
+  stats_ = StepStats();
+
+  if (in.hooks == nullptr) return absl::InvalidArgumentError("distributed step: no hooks");
+  if (in.sequence == nullptr || in.sequence->cache() == nullptr) {
+    return absl::InvalidArgumentError("distributed step: no KV sequence");
+  }
+  if (in.sequence->num_tokens() != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "distributed step: the KV sequence already holds ", in.sequence->num_tokens(), " tokens"));
+  }
+  KvCache* cache = in.sequence->cache();
+  const KvCacheConfig& kc = cache->config();
+  if (&cache->device() != &dev || kc.num_layers != c.num_hidden_layers ||
+      kc.kv_lora_rank != c.kv_lora_rank || kc.rope_dim != c.qk_rope_head_dim) {
+    return absl::InvalidArgumentError(
+        "distributed step: the KV cache is on another device or shaped for another model");
+  }
+  const int64_t n = static_cast<int64_t>(in.tokens.size());
+  if (n == 0 || in.positions.size() != in.tokens.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("distributed step: ", n, " tokens and ", in.positions.size(), " positions"));
+  }
+  if (n > o.max_step_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("distributed step: ", n, " tokens, at most ", o.max_step_tokens, " per step"));
+  }
+  if (in.total_tokens < n || in.total_tokens > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("distributed step: prompt of ", in.total_tokens,
+                                                   " tokens (", n, " local, at most ",
+                                                   c.max_position_embeddings, ")"));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (in.tokens[j] < 0 || in.tokens[j] >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("distributed step: token ", j, " has id ",
+                                                     in.tokens[j], ", outside [0, ", c.vocab_size,
+                                                     ")"));
+    }
+    if (in.positions[j] < 0 || in.positions[j] >= in.total_tokens ||
+        (j > 0 && in.positions[j] <= in.positions[j - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "distributed step: positions must increase within [0, ", in.total_tokens, ")"));
+    }
+  }
+  if (in.want_logits && in.positions[n - 1] != in.total_tokens - 1) {
+    return absl::InvalidArgumentError(
+        "distributed step: logits wanted but the prompt's last token is not local");
+  }
+  HMOE_RETURN_IF_ERROR(in.sequence->Reserve(in.total_tokens));
+
+  sc.inputs.clear();
+  sc.segments.clear();
+  sc.decode_segments.clear();
+  sc.prefill_segments.clear();
+  sc.host_tokens.assign(in.tokens.begin(), in.tokens.end());
+  sc.host_positions.assign(in.positions.begin(), in.positions.end());
+  sc.host_slots.clear();
+  sc.host_head_rows.clear();
+  sc.cache = cache;
+  const int64_t bs = kc.block_size;
+  const std::vector<int32_t>& table = in.sequence->block_table();
+  const int64_t blocks = (in.total_tokens + bs - 1) / bs;
+  sc.host_block_tables.assign(table.begin(), table.begin() + blocks);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = in.positions[j];
+    sc.host_slots.push_back(static_cast<int32_t>(table[pos / bs] * bs + pos % bs));
+  }
+  if (in.want_logits) sc.host_head_rows.push_back(static_cast<int32_t>(n - 1));
+  Scratch::Input si;
+  si.sequence = in.sequence;
+  si.start = 0;
+  si.count = n;
+  si.row = 0;
+  si.want_logits = in.want_logits;
+  si.commit_tokens = in.total_tokens;
+  sc.inputs.push_back(si);
+  sc.num_tokens = n;
+  sc.total_tokens = in.total_tokens;
+  hooks_ = in.hooks;
+  absl::Status uploaded = UploadStep(start_time, 1);
+  if (!uploaded.ok()) Abort();
+  return uploaded;
 }
 
 absl::Status MicroBatch::RunAttention(int64_t layer) {
@@ -426,31 +527,64 @@ absl::Status MicroBatch::AttentionImpl(int64_t layer) {
   HMOE_RETURN_IF_ERROR(dev.KvCacheWrite(st, cache, sc.slots.as<int32_t>(), n, kva, kv_width,
                                         kva + k.rkv, kv_width, k.rkv));
 
-  MlaAttentionArgs args;
-  args.dims = k.mla;
-  args.q = q;
-  args.q_stride = q_width;
-  args.w_uk_t = w.w_uk_t;
-  args.kv_b = w.kv_b;
-  args.cache = cache;
-  args.block_tables = sc.block_tables.as<int32_t>();
-  args.out = sc.attn.as<float>();
-  args.out_stride = k.nh * k.dv;
-  if (!sc.decode_segments.empty()) {
-    args.segments = sc.decode_segments;
-    HMOE_RETURN_IF_ERROR(dev.MlaDecodeAttention(st, args));
-  }
-  if (!sc.prefill_segments.empty()) {
-    args.segments = sc.prefill_segments;
-    HMOE_RETURN_IF_ERROR(dev.MlaPrefillAttention(st, args));
+  if (hooks_ != nullptr) {
+    AttentionHookArgs hook;
+    hook.layer = layer;
+    hook.stream = &st;
+    hook.weights = &w;
+    hook.dims = k.mla;
+    hook.q = q;
+    hook.q_stride = q_width;
+    hook.kv = kva;
+    hook.kv_stride = kv_width;
+    hook.num_tokens = n;
+    hook.total_tokens = sc.total_tokens;
+    hook.cache = cache;
+    hook.block_table = sc.block_tables.as<int32_t>();
+    hook.out = sc.attn.as<float>();
+    hook.out_stride = k.nh * k.dv;
+    HMOE_RETURN_IF_ERROR(hooks_->Attention(hook));
+  } else {
+    MlaAttentionArgs args;
+    args.dims = k.mla;
+    args.q = q;
+    args.q_stride = q_width;
+    args.w_uk_t = w.w_uk_t;
+    args.kv_b = w.kv_b;
+    args.cache = cache;
+    args.block_tables = sc.block_tables.as<int32_t>();
+    args.out = sc.attn.as<float>();
+    args.out_stride = k.nh * k.dv;
+    if (!sc.decode_segments.empty()) {
+      args.segments = sc.decode_segments;
+      HMOE_RETURN_IF_ERROR(dev.MlaDecodeAttention(st, args));
+    }
+    if (!sc.prefill_segments.empty()) {
+      args.segments = sc.prefill_segments;
+      HMOE_RETURN_IF_ERROR(dev.MlaPrefillAttention(st, args));
+    }
   }
   float* delta = sc.delta.as<float>();
   HMOE_RETURN_IF_ERROR(dev.Linear(st, w.o, sc.attn.as<float>(), k.nh * k.dv, n, delta, hd));
   HMOE_RETURN_IF_ERROR(dev.Add(st, h, delta, n * hd, h));
   HMOE_RETURN_IF_ERROR(dev.RmsNorm(st, h, hd, n, hd, w.post_norm, k.eps, x, hd));
   if (engine_->config_.is_moe_layer(layer)) {
-    HMOE_RETURN_IF_ERROR(dev.MoeGate(st, x, hd, n, w.router, w.router_bias, k.gate,
-                                     sc.router_ids.as<int32_t>(), sc.router_weights.as<float>()));
+    if (hooks_ != nullptr) {
+      RouteHookArgs hook;
+      hook.layer = layer;
+      hook.stream = &st;
+      hook.router = &w.router;
+      hook.router_bias = &w.router_bias;
+      hook.params = k.gate;
+      hook.x = x;
+      hook.num_tokens = n;
+      hook.ids = sc.router_ids.as<int32_t>();
+      hook.weights = sc.router_weights.as<float>();
+      HMOE_RETURN_IF_ERROR(hooks_->Route(hook));
+    } else {
+      HMOE_RETURN_IF_ERROR(dev.MoeGate(st, x, hd, n, w.router, w.router_bias, k.gate,
+                                       sc.router_ids.as<int32_t>(), sc.router_weights.as<float>()));
+    }
   }
   return engine_->weights_->Release(id, st);
 }
@@ -478,6 +612,16 @@ absl::Status MicroBatch::FfnImpl(int64_t layer) {
   const int64_t count = sc.num_tokens * engine_->constants_->hidden;
   if (!engine_->config_.is_moe_layer(layer)) {
     HMOE_RETURN_IF_ERROR(DenseMlp(layer));
+  } else if (hooks_ != nullptr) {
+    MoeHookArgs hook;
+    hook.layer = layer;
+    hook.stream = stream_.get();
+    hook.x = sc.x.as<float>();
+    hook.num_tokens = sc.num_tokens;
+    hook.ids = sc.router_ids.as<int32_t>();
+    hook.weights = sc.router_weights.as<float>();
+    hook.delta = sc.delta.as<float>();
+    HMOE_RETURN_IF_ERROR(hooks_->Moe(hook));
   } else if (engine_->options_.experts == ExpertPlacement::kDevice) {
     HMOE_RETURN_IF_ERROR(ExpertsOnDevice(layer));
   } else {
@@ -706,11 +850,12 @@ absl::StatusOr<std::vector<std::vector<float>>> MicroBatch::FinishStep() {
     return out.status();
   }
   for (const Scratch::Input& in : scratch_->inputs) {
-    in.sequence->SetNumTokens(in.start + in.count);
+    in.sequence->SetNumTokens(in.commit_tokens);
   }
   scratch_->inputs.clear();
   phase_ = Phase::kIdle;
   next_layer_ = 0;
+  hooks_ = nullptr;
   return out;
 }
 

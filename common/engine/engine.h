@@ -31,6 +31,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "common/device/device.h"
 #include "common/engine/kv_cache.h"
@@ -99,6 +100,93 @@ struct StepStats {
 
 class Engine;
 
+// ---------------------------------------------------------------------------------- distributed
+// steps (DSLP, common/dslp)
+//
+// One rank of a distributed prefill runs a "distributed step": its own tokens of one prompt, at
+// explicit (not necessarily contiguous) positions, through the engine's own forward pass, with
+// three parts replaced by hooks that talk to the other ranks: the attention core (context
+// parallelism), the routing of a MoE layer and the MoE layer itself (expert parallelism).
+// Everything else (embedding, norms, projections, RoPE, KV cache writes of the local tokens,
+// o_proj, residuals, dense layers, final norm and lm_head) is the engine's code.
+
+// Attention core of `layer` for the step's n local rows: the hook must write out (the heads'
+// attention outputs before o_proj, as MLA: [n, nh * dv]) from the queries q and the KV of the
+// whole prompt, and leave the cache holding every prompt token's KV of this layer by the end of
+// the step (the local tokens' KV is already there).
+struct AttentionHookArgs {
+  int64_t layer = 0;
+  Stream* stream = nullptr;
+  const AttentionWeights* weights = nullptr;  // valid during the call (w_uk_t, kv_b)
+  MlaDimensions dims;
+  // Device pointers, row t = local token t: q [n, nh * (dn + dr)] (q_pe rotated), kv [n, Rkv + dr]
+  // (normalized latent, rotated k_pe: what was written to the cache).
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  const float* kv = nullptr;
+  int64_t kv_stride = 0;
+  int64_t num_tokens = 0;    // n
+  int64_t total_tokens = 0;  // the prompt's length
+  KvLayerView cache;         // this layer of the sequence's cache
+  // Device pointer: the sequence's block table, covering total_tokens.
+  const int32_t* block_table = nullptr;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+};
+
+// Routing of MoE layer `layer`, called while the attention module (router weights) is acquired:
+// x [n, hidden] is the post-attention-norm input of the experts. The hook may write the engine's
+// routing buffers ids/weights [n, K] (device) for its Moe call, or route elsewhere.
+struct RouteHookArgs {
+  int64_t layer = 0;
+  Stream* stream = nullptr;
+  const LinearWeight* router = nullptr;
+  const VectorWeight* router_bias = nullptr;
+  MoeGateParams params;
+  const float* x = nullptr;
+  int64_t num_tokens = 0;
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+};
+
+// MoE layer `layer` (routed and shared experts) for the step's rows: write delta [n, hidden]
+// (device), the layer's output before the residual add.
+struct MoeHookArgs {
+  int64_t layer = 0;
+  Stream* stream = nullptr;
+  const float* x = nullptr;  // [n, hidden]
+  int64_t num_tokens = 0;
+  const int32_t* ids = nullptr;  // the routing buffers Route may have written
+  const float* weights = nullptr;
+  float* delta = nullptr;
+};
+
+// Implemented by the distributed prefill (common/dslp). Called on the thread driving the step; an
+// error abandons the step.
+class DistributedHooks {
+ public:
+  virtual ~DistributedHooks() = default;
+  virtual absl::Status Attention(const AttentionHookArgs& args) = 0;
+  virtual absl::Status Route(const RouteHookArgs& args) = 0;
+  virtual absl::Status Moe(const MoeHookArgs& args) = 0;
+};
+
+struct DistributedStepInput {
+  // Empty sequence of a KvCache on the engine's device; reserved for total_tokens at
+  // BeginDistributedStep, holding the whole prompt (num_tokens() == total_tokens) after
+  // FinishStep.
+  KvSequence* sequence = nullptr;
+  int64_t total_tokens = 0;
+  // This rank's tokens and their positions (strictly increasing, < total_tokens).
+  std::span<const int32_t> tokens;
+  std::span<const int32_t> positions;
+  // Return the logits of the prompt's last token (position total_tokens - 1, which must then be
+  // this rank's last token).
+  bool want_logits = false;
+  // Not owned; used until the step ends.
+  DistributedHooks* hooks = nullptr;
+};
+
 // A step driver with its own stream and scratch (see the file comment). Call order per step:
 // BeginStep, then for l = 0..num_layers-1: RunAttention(l), RunFfn(l); then FinishStep.
 // FailedPrecondition on any other order. A failed call abandons the step: the sequences keep
@@ -117,6 +205,12 @@ class MicroBatch {
   // reserves KV blocks for every sequence (ResourceExhausted when the cache is full; nothing is
   // reserved then), and embeds the tokens.
   absl::Status BeginStep(std::span<const SequenceInput> inputs);
+  // Begins a distributed step (see DistributedStepInput); then RunAttention / RunFfn per layer
+  // and FinishStep as for BeginStep (FinishStep returns one entry: the last token's logits, or
+  // empty). InvalidArgument as BeginStep, plus: no hooks, positions not increasing or outside the
+  // prompt, logits wanted for a token that is not local; FailedPrecondition when the sequence is
+  // not empty; ResourceExhausted when the cache cannot hold the prompt.
+  absl::Status BeginDistributedStep(const DistributedStepInput& input);
   // Attention block of `layer`: input norm, q/kv projections, RoPE, KV cache write, MLA, o_proj,
   // residual add, post-attention norm, and the router of a MoE layer.
   absl::Status RunAttention(int64_t layer);
@@ -145,6 +239,8 @@ class MicroBatch {
   explicit MicroBatch(Engine* engine);
   absl::Status Init();
   void Abort();
+  // Uploads the laid-out step (positions, slots, block tables, head rows) and embeds its tokens.
+  absl::Status UploadStep(absl::Time start_time, int64_t num_sequences);
   absl::Status AttentionImpl(int64_t layer);
   absl::Status FfnImpl(int64_t layer);
   absl::Status DenseMlp(int64_t layer);
@@ -158,6 +254,7 @@ class MicroBatch {
   Phase phase_ = Phase::kIdle;
   int64_t next_layer_ = 0;
   StepStats stats_;
+  DistributedHooks* hooks_ = nullptr;  // set during a distributed step
 };
 
 class Engine {
@@ -191,6 +288,7 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   Device& device() const { return *device_; }
   CpuWorkerPool& pool() const { return *pool_; }
+  WeightProvider& weights() const { return *weights_; }
   // Stats of the last Forward's last step.
   const StepStats& last_step_stats() const;
 

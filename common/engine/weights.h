@@ -24,7 +24,12 @@
 // e = 0..E-1 in increasing order (experts no token chose are acquired and released at once, so a
 // ring buffer advances in a fixed order); finally kHead (every step, even when no sequence wants
 // logits). With experts on the CPU (the default),
-// routed and shared experts are read from host_moe(l) and never acquired.
+// routed and shared experts are read from host_moe(l) and never acquired. A rank of a distributed
+// prefill (DSLP, common/dslp) acquires kAttention(l), then, for a MoE layer, kSharedExperts(l)
+// (if any) and only ITS OWN routed experts (a contiguous id range) in increasing order; finally
+// kHead.
+// kAttention(l) of a MoE layer is held while the router runs, which under SmallEP includes an
+// all-gather of the tokens.
 
 #include <cstdint>
 #include <memory>

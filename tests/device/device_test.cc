@@ -404,7 +404,18 @@ class MlaTest : public DeviceTest {
     std::vector<float> latent, k_pe;  // all keys, contiguous, for the reference
   };
 
+  // How Run computes the attention: one MLA op, or (context parallelism) MlaAttentionPartial
+  // over key-range parts, parts[c][s] the keys of sequence s in call c (call 0 with
+  // state.first), then MlaProjectLatent.
+  enum class Mode { kDecode, kPrefill, kPartial };
+
   void Run(bool decode, std::vector<Sequence>& seqs) {
+    Run(decode ? Mode::kDecode : Mode::kPrefill, seqs, {});
+  }
+
+  void Run(Mode mode, std::vector<Sequence>& seqs,
+           const std::vector<std::vector<MlaKeyRange>>& parts) {
+    const bool decode = mode == Mode::kDecode;
     reference::MlaDims dims{kHeads, kDn, kDr, kDv, kRkv, 0.17f};
     const std::vector<float> kv_b = RandomFloats(kHeads * (kDn + kDv) * kRkv, 20, 0.2f);
     // W_UK_h^T per head, F32.
@@ -462,9 +473,32 @@ class MlaTest : public DeviceTest {
     const int64_t out_stride = kHeads * kDv + 3;
     args.out = Zeros<float>(rows * out_stride);
     args.out_stride = out_stride;
-    ASSERT_TRUE((decode ? device_->MlaDecodeAttention(*stream_, args)
-                        : device_->MlaPrefillAttention(*stream_, args))
-                    .ok());
+    if (mode == Mode::kPartial) {
+      // State rows are q rows; poison it to show that `first` overwrites everything.
+      MlaPartialState state;
+      state.u = Upload(std::vector<float>(rows * kHeads * kRkv, std::nanf("")));
+      state.lse = Upload(std::vector<float>(rows * kHeads, std::nanf("")));
+      for (size_t c = 0; c < parts.size(); ++c) {
+        args.key_ranges = parts[c];
+        state.first = c == 0;
+        const absl::Status st = device_->MlaAttentionPartial(*stream_, args, state);
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      const absl::Status st = device_->MlaProjectLatent(*stream_, args.dims, args.kv_b, state.u,
+                                                        rows, args.out, args.out_stride);
+      ASSERT_TRUE(st.ok()) << st;
+      if (GetParam() == DeviceKind::kCpu && parts.size() == 1) {
+        // One part holding every key: the same bits as the prefill op.
+        const std::vector<float> partial = Download(args.out, rows * out_stride);
+        ASSERT_TRUE(device_->MlaPrefillAttention(*stream_, args).ok());
+        const std::vector<float> full = Download(args.out, rows * out_stride);
+        ASSERT_EQ(std::memcmp(partial.data(), full.data(), partial.size() * sizeof(float)), 0);
+      }
+    } else {
+      ASSERT_TRUE((decode ? device_->MlaDecodeAttention(*stream_, args)
+                          : device_->MlaPrefillAttention(*stream_, args))
+                      .ok());
+    }
     const std::vector<float> got = Download(args.out, rows * out_stride);
     for (size_t s = 0; s < seqs.size(); ++s) {
       const Sequence& sq = seqs[s];
@@ -504,6 +538,30 @@ TEST_P(MlaTest, PrefillAttentionMatchesReference) {
   // 37 queries span two tiles of 32; the second sequence starts mid-block.
   std::vector<Sequence> seqs = {{0, 37, {}, {}, {}}, {6, 9, {}, {}, {}}, {0, 1, {}, {}, {}}};
   Run(/*decode=*/false, seqs);
+}
+
+TEST_P(MlaTest, PartialAttentionOverOneRangeIsThePrefillAttention) {
+  std::vector<Sequence> seqs = {{0, 37, {}, {}, {}}, {6, 9, {}, {}, {}}};
+  Run(Mode::kPartial, seqs, {{{0, 37}, {0, 15}}});
+}
+
+TEST_P(MlaTest, PartialAttentionMergesKeyRangesInAnyOrder) {
+  // Sequence 0: 37 queries from position 0; sequence 1: 9 queries from 6 (15 keys). The parts
+  // cover every key once, out of order, with ranges that start and end mid-block, some invisible
+  // to some rows (causality) and one empty for a whole sequence; call 0 (first) leaves early rows
+  // without any key.
+  std::vector<Sequence> seqs = {{0, 37, {}, {}, {}}, {6, 9, {}, {}, {}}};
+  Run(Mode::kPartial, seqs, {{{21, 37}, {10, 15}}, {{0, 7}, {0, 0}}, {{7, 21}, {0, 10}}});
+}
+
+TEST_P(MlaTest, PartialAttentionRejectsMissingRanges) {
+  MlaAttentionArgs args;
+  args.dims = {kHeads, kDn, kDr, kDv, kRkv, 0.1f};
+  std::vector<MlaSegment> segments = {{0, 1, 0, 0}};
+  args.segments = segments;
+  MlaPartialState state;
+  EXPECT_EQ(device_->MlaAttentionPartial(*stream_, args, state).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_P(DeviceTest, KvCacheWriteUsesSlots) {

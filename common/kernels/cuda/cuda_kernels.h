@@ -190,6 +190,7 @@ inline constexpr int64_t kMlaMaxSharedBytes = 99 * 1024;
 //   head first_head + j, j < num_heads,
 // of one sequence (num_queries * num_heads <= kMlaTileRows), whose block table starts at
 // block_tables[table_offset]. Query i sees keys 0 .. first_pos + i.
+// LaunchMlaAttendPartial only: the queries see keys [key_begin, key_end) (and causality).
 struct MlaTile {
   int64_t first_row = 0;
   int64_t first_pos = 0;
@@ -198,6 +199,8 @@ struct MlaTile {
   int32_t first_head = 0;
   int32_t num_heads = 0;
   int32_t reserved = 0;
+  int64_t key_begin = 0;
+  int64_t key_end = INT64_MAX;
 };
 
 // Gathers the queries of the compact rows t < num_rows (q row q_rows[t]) per head h:
@@ -220,5 +223,17 @@ cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_
 cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCacheDesc& cache,
                             const int32_t* block_tables, const MlaTile* tiles, int64_t num_tiles,
                             float* u, cudaStream_t stream);
+
+// Context-parallel variant (Device::MlaAttentionPartial): each tile's queries see only the keys
+// [key_begin, key_end) of their sequence (and causality), and the attention over them is merged
+// into the running state of the query row q_rows[t] (t: the tile's compact row) and head h:
+//   state_u[(q_rows[t] * nh + h) * Rkv ..], state_lse[q_rows[t] * nh + h]
+// (softmax-weighted latent average and log-sum-exp of the keys seen so far; -inf: none), or
+// overwrites it when `first`. Rows that see no key keep their state (first: u = 0, lse = -inf).
+cudaError_t LaunchMlaAttendPartial(const MlaShape& shape, const float* qcat,
+                                   const KvCacheDesc& cache, const int32_t* block_tables,
+                                   const MlaTile* tiles, int64_t num_tiles, const int32_t* q_rows,
+                                   float* state_u, float* state_lse, bool first,
+                                   cudaStream_t stream);
 
 }  // namespace hmoe::cuda

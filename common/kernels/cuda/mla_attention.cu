@@ -52,12 +52,22 @@ __global__ void MlaGatherQKernel(const float* __restrict__ q, int64_t q_stride,
   }
 }
 
+// Where the partial variant (kPartial) merges its result (LaunchMlaAttendPartial).
+struct PartialOut {
+  const int32_t* q_rows = nullptr;
+  float* u = nullptr;
+  float* lse = nullptr;
+  bool first = false;
+};
+
 // Shared memory (floats): q rows [kMlaTileRows][D], key tile [kMlaKeyTile][D], probabilities
 // [kMlaTileRows][kMlaKeyTile], then per row: running max, running sum, correction. D = Rkv + dr.
+// kPartial: keys limited to [tile.key_begin, tile.key_end), result merged into `partial`.
+template <bool kPartial>
 __global__ void __launch_bounds__(kThreads)
     MlaAttendKernel(MlaShape s, const float* __restrict__ qcat, KvCacheDesc cache,
                     const int32_t* __restrict__ block_tables, const MlaTile* __restrict__ tiles,
-                    float* __restrict__ u) {
+                    float* __restrict__ u, PartialOut partial) {
   extern __shared__ float smem[];
   const int64_t d_row = cache.row_floats;
   const int64_t rkv = s.kv_lora_rank;
@@ -93,10 +103,15 @@ __global__ void __launch_bounds__(kThreads)
     for (int d = 0; d < kDimsPerThread; ++d) acc[r][d] = 0.0f;
   }
   const int32_t* table = block_tables + tile.table_offset;
-  const int64_t num_keys = tile.first_pos + tile.num_queries;  // the last query sees them all
+  int64_t num_keys = tile.first_pos + tile.num_queries;  // the last query sees them all
+  int64_t first_key = 0;
+  if constexpr (kPartial) {
+    num_keys = num_keys < tile.key_end ? num_keys : tile.key_end;
+    first_key = tile.key_begin;
+  }
   __syncthreads();
 
-  for (int64_t k0 = 0; k0 < num_keys; k0 += kMlaKeyTile) {
+  for (int64_t k0 = first_key / kMlaKeyTile * kMlaKeyTile; k0 < num_keys; k0 += kMlaKeyTile) {
     const int64_t nk = num_keys - k0 < kMlaKeyTile ? num_keys - k0 : kMlaKeyTile;
     // Stage the key tile (cache rows [c | k_pe]) in shared memory.
     for (int64_t i = tid; i < nk * d_row; i += kThreads) {
@@ -112,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
       const int r = pair / kMlaKeyTile;
       const int j = pair % kMlaKeyTile;
       const int64_t pos = tile.first_pos + r / heads;
-      const bool visible = j < nk && k0 + j <= pos;  // uniform across the warp
+      const bool visible = j < nk && k0 + j <= pos && k0 + j >= first_key;  // warp-uniform
       float dot = 0.0f;
       if (visible) {
         for (int64_t c = lane; c < d_row; c += 32) dot += q_s[r * d_row + c] * k_s[j * d_row + c];
@@ -149,17 +164,80 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // k_s and p_s are overwritten by the next tile
   }
 
+  if constexpr (kPartial) {
+    // Per row: the coefficients of the old state and of this call's (unnormalized) result, and
+    // the new log-sum-exp, in the probabilities' shared memory (free after the last tile).
+    float* coef_s = p_s;
+    if (tid < rows) {
+      const int64_t t = tile.first_row + tid / heads;
+      const int64_t h = tile.first_head + tid % heads;
+      const int64_t idx = static_cast<int64_t>(partial.q_rows[t]) * s.num_heads + h;
+      const float neg_inf = kernels::NegInfinity();
+      float c_old = 1.0f, c_new = 0.0f, lse = 0.0f;
+      bool keep = false;
+      if (sum_s[tid] == 0.0f) {  // no visible key in this call
+        keep = !partial.first;
+        c_old = 0.0f;
+        lse = neg_inf;
+      } else {
+        const float lse_new = max_s[tid] + logf(sum_s[tid]);
+        const float lse_old = partial.first ? neg_inf : partial.lse[idx];
+        if (lse_old == neg_inf) {
+          c_old = 0.0f;
+          c_new = 1.0f / sum_s[tid];
+          lse = lse_new;
+        } else {
+          const float m = lse_old > lse_new ? lse_old : lse_new;
+          const float w_old = expf(lse_old - m);
+          const float w_new = expf(lse_new - m);
+          const float total = w_old + w_new;
+          c_old = w_old / total;
+          c_new = w_new / (total * sum_s[tid]);
+          lse = m + logf(total);
+        }
+      }
+      coef_s[3 * tid] = keep ? -1.0f : c_old;  // -1: leave the row alone
+      coef_s[3 * tid + 1] = c_new;
+      coef_s[3 * tid + 2] = lse;
+    }
+    __syncthreads();
 #pragma unroll
-  for (int r = 0; r < kMlaTileRows; ++r) {
-    if (r < rows) {
-      const float inv = 1.0f / sum_s[r];  // > 0: every query sees key 0
-      const int64_t t = tile.first_row + r / heads;
-      const int64_t h = tile.first_head + r % heads;
-      float* out = u + (t * s.num_heads + h) * rkv;
+    for (int r = 0; r < kMlaTileRows; ++r) {
+      if (r < rows && coef_s[3 * r] >= 0.0f) {
+        const float c_old = coef_s[3 * r];
+        const float c_new = coef_s[3 * r + 1];
+        const int64_t t = tile.first_row + r / heads;
+        const int64_t h = tile.first_head + r % heads;
+        float* out = partial.u + (static_cast<int64_t>(partial.q_rows[t]) * s.num_heads + h) * rkv;
 #pragma unroll
-      for (int d = 0; d < kDimsPerThread; ++d) {
-        const int64_t dim = tid + d * kThreads;
-        if (dim < rkv) out[dim] = acc[r][d] * inv;
+        for (int d = 0; d < kDimsPerThread; ++d) {
+          const int64_t dim = tid + d * kThreads;
+          if (dim < rkv) {
+            // The old state is not read when its weight is 0 (it may be uninitialized).
+            const float old = c_old != 0.0f ? c_old * out[dim] : 0.0f;
+            out[dim] = old + c_new * acc[r][d];
+          }
+        }
+      }
+    }
+    if (tid < rows && coef_s[3 * tid] >= 0.0f) {
+      const int64_t t = tile.first_row + tid / heads;
+      const int64_t h = tile.first_head + tid % heads;
+      partial.lse[static_cast<int64_t>(partial.q_rows[t]) * s.num_heads + h] = coef_s[3 * tid + 2];
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < kMlaTileRows; ++r) {
+      if (r < rows) {
+        const float inv = 1.0f / sum_s[r];  // > 0: every query sees key 0
+        const int64_t t = tile.first_row + r / heads;
+        const int64_t h = tile.first_head + r % heads;
+        float* out = u + (t * s.num_heads + h) * rkv;
+#pragma unroll
+        for (int d = 0; d < kDimsPerThread; ++d) {
+          const int64_t dim = tid + d * kThreads;
+          if (dim < rkv) out[dim] = acc[r][d] * inv;
+        }
       }
     }
   }
@@ -190,13 +268,45 @@ cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCa
   }
   // Opt in to more than the default 48 KiB of dynamic shared memory (a cheap host call).
   if (const cudaError_t err =
-          cudaFuncSetAttribute(MlaAttendKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          cudaFuncSetAttribute(MlaAttendKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(shared_bytes));
       err != cudaSuccess) {
     return err;
   }
-  MlaAttendKernel<<<static_cast<unsigned>(num_tiles), kThreads, static_cast<size_t>(shared_bytes),
-                    stream>>>(shape, qcat, cache, block_tables, tiles, u);
+  MlaAttendKernel<false>
+      <<<static_cast<unsigned>(num_tiles), kThreads, static_cast<size_t>(shared_bytes), stream>>>(
+          shape, qcat, cache, block_tables, tiles, u, PartialOut{});
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMlaAttendPartial(const MlaShape& shape, const float* qcat,
+                                   const KvCacheDesc& cache, const int32_t* block_tables,
+                                   const MlaTile* tiles, int64_t num_tiles, const int32_t* q_rows,
+                                   float* state_u, float* state_lse, bool first,
+                                   cudaStream_t stream) {
+  if (num_tiles <= 0) return cudaSuccess;
+  const int64_t shared_bytes = MlaAttendSharedBytes(cache.row_floats);
+  if (shape.kv_lora_rank <= 0 || shape.kv_lora_rank > kMlaMaxLatent ||
+      cache.row_floats != shape.kv_lora_rank + shape.rope_dim ||
+      shared_bytes > kMlaMaxSharedBytes || num_tiles > 0x7fffffff || q_rows == nullptr ||
+      state_u == nullptr || state_lse == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  static_assert(3 * kMlaTileRows <= kMlaTileRows * kMlaKeyTile, "coefficients fit in p_s");
+  if (const cudaError_t err =
+          cudaFuncSetAttribute(MlaAttendKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(shared_bytes));
+      err != cudaSuccess) {
+    return err;
+  }
+  PartialOut partial;
+  partial.q_rows = q_rows;
+  partial.u = state_u;
+  partial.lse = state_lse;
+  partial.first = first;
+  MlaAttendKernel<true>
+      <<<static_cast<unsigned>(num_tiles), kThreads, static_cast<size_t>(shared_bytes), stream>>>(
+          shape, qcat, cache, block_tables, tiles, nullptr, partial);
   return cudaGetLastError();
 }
 
