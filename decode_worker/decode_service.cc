@@ -9,9 +9,13 @@
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/rpc/grpc_status.h"
 #include "common/rpc/sampling_proto.h"
 
 namespace hmoe::decode {
+
+using rpc::ToGrpcStatus;
+
 namespace {
 
 // How often a handler waiting for events checks whether its client went away.
@@ -46,16 +50,6 @@ void AwaitFinish(RequestChannel& channel) {
 
 }  // namespace
 
-grpc::Status ToGrpcStatus(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
-
 absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, KvImporter& importer,
                                                    const KvHandoffShape& shape) {
   GenerationRequest r;
@@ -80,6 +74,7 @@ absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, Kv
       case v1::KvHandle::kCudaIpcHandle:
         spec.kind = KvHandleSpec::Kind::kCudaIpc;
         spec.cuda_ipc_handle = h.cuda_ipc_handle();
+        spec.cuda_device = h.cuda_device();
         break;
       default:
         return absl::InvalidArgumentError(

@@ -19,10 +19,6 @@
 
 namespace hmoe::decode {
 
-// absl and gRPC status codes both mirror google.rpc.Code.
-grpc::Status ToGrpcStatus(const absl::Status& s);
-absl::Status FromGrpcStatus(const grpc::Status& s);
-
 // The scheduler's request for `proto`. With a kv_handle, opens it through `importer` and
 // validates it against `shape` (errors as KvImporter::Open). InvalidArgument naming the field for
 // malformed requests (the scheduler checks the rest).

@@ -35,11 +35,10 @@
 #include "common/device/device.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/kv/kv_handoff.h"
-#include "common/model/checkpoint.h"
 #include "common/model/model_config.h"
 #include "common/rpc/registry_client.h"
 #include "common/rpc/worker_setup.h"
-#include "common/shm/weight_store.h"
+#include "common/shm/worker_weights.h"
 #include "decode_worker/decode_service.h"
 #include "decode_worker/engine_step_engine.h"
 #include "decode_worker/scheduler.h"
@@ -70,44 +69,6 @@ namespace {
 constexpr char kServiceName[] = "hmoe.decode.v1.DecodeService";
 constexpr int kExitError = 1;
 constexpr int kExitBadFlags = 2;
-
-// Where the weights come from; keeps the source alive.
-struct WeightSourceHolder {
-  std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<shm::WeightStore> store;
-  ModelConfig config;
-  std::string description;
-
-  const WeightSource& source() const {
-    return checkpoint != nullptr ? static_cast<const WeightSource&>(*checkpoint)
-                                 : static_cast<const WeightSource&>(*store);
-  }
-};
-
-absl::StatusOr<WeightSourceHolder> OpenWeights(const std::string& model_dir,
-                                               const std::string& instance) {
-  WeightSourceHolder h;
-  if (!model_dir.empty()) {
-    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(model_dir);
-    if (!ckpt.ok()) return ckpt.status();
-    h.checkpoint = *std::move(ckpt);
-    h.config = h.checkpoint->config();
-    h.description = model_dir;
-    return h;
-  }
-  absl::StatusOr<std::unique_ptr<shm::WeightStore>> store = shm::WeightStore::Attach(instance);
-  if (!store.ok()) return store.status();
-  h.store = *std::move(store);
-  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(h.store->manifest().config_json);
-  if (!config.ok()) {
-    return absl::Status(
-        config.status().code(),
-        absl::StrCat("weightd instance ", instance, " config.json: ", config.status().message()));
-  }
-  h.config = *std::move(config);
-  h.description = absl::StrCat("weightd:", instance, " (", h.store->identity().ToString(), ")");
-  return h;
-}
 
 int Run() {
   const absl::Time start = absl::Now();
@@ -178,7 +139,7 @@ int Run() {
   });
 
   // --- weights, device, engine
-  absl::StatusOr<WeightSourceHolder> weights = OpenWeights(model_dir, instance);
+  absl::StatusOr<shm::WeightSourceHolder> weights = shm::OpenWeights(model_dir, instance);
   if (!weights.ok()) {
     HMOE_LOG(ERROR) << "open weights: " << weights.status().message();
     return kExitError;
@@ -227,7 +188,11 @@ int Run() {
     HMOE_LOG(ERROR) << "scheduler: " << scheduler.status().message();
     return absl::IsInvalidArgument(scheduler.status()) ? kExitBadFlags : kExitError;
   }
-  std::unique_ptr<KvImporter> importer = NewShmKvImporter();
+  // Shared-memory hand-offs, and CUDA IPC ones (into the attention GPU's pool, or through host
+  // memory when attention runs on the CPU).
+  KvImportTarget import_target;
+  if (device_spec->kind == DeviceKind::kCuda) import_target.cuda_device = device_spec->ordinal;
+  std::unique_ptr<KvImporter> importer = NewKvImporter(import_target);
   if (stop_requested.HasBeenNotified()) {
     HMOE_LOG(INFO) << "stopped while starting";
     return 0;

@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<KvExport>> ExportToCudaIpc(KvCache& cache, const 
   KvHandleSpec spec;
   spec.kind = KvHandleSpec::Kind::kCudaIpc;
   HMOE_ASSIGN_OR_RETURN(spec.cuda_ipc_handle, cuda::IpcMemHandle(buffer.data()));
+  HMOE_ASSIGN_OR_RETURN(spec.cuda_device, cuda::PciBusIdOf(buffer.data()));
   spec.num_tokens = n;
   spec.layout_version = kKvHandoffLayoutVersion;
   return std::unique_ptr<KvExport>(

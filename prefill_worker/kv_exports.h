@@ -53,7 +53,8 @@ absl::StatusOr<std::unique_ptr<KvExport>> ExportToShm(KvCache& cache, const KvSe
                                                       Stream& stream, const std::string& name);
 
 // Writes `seq` with a hand-off header into a new allocation of the cache's device and returns its
-// CUDA IPC memory handle. Unavailable on a build or device without CUDA (a CpuDevice cannot
+// CUDA IPC memory handle and the PCI bus id of the device (the decode worker's side:
+// common/kv/cuda_ipc_import.h). Unavailable on a build or device without CUDA (a CpuDevice cannot
 // export this way); the device's ResourceExhausted when the buffer does not fit.
 absl::StatusOr<std::unique_ptr<KvExport>> ExportToCudaIpc(KvCache& cache, const KvSequence& seq,
                                                           Stream& stream);

@@ -36,11 +36,10 @@
 #include "common/device/cuda_host_register.h"
 #include "common/device/device.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
-#include "common/model/checkpoint.h"
 #include "common/model/model_config.h"
 #include "common/rpc/registry_client.h"
 #include "common/rpc/worker_setup.h"
-#include "common/shm/weight_store.h"
+#include "common/shm/worker_weights.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/prefill_scheduler.h"
 #include "prefill_worker/prefill_service.h"
@@ -86,44 +85,6 @@ namespace {
 constexpr char kServiceName[] = "hmoe.prefill.v1.PrefillService";
 constexpr int kExitError = 1;
 constexpr int kExitBadFlags = 2;
-
-// Where the weights come from; keeps the source alive.
-struct WeightSourceHolder {
-  std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<shm::WeightStore> store;
-  ModelConfig config;
-  std::string description;
-
-  const WeightSource& source() const {
-    return checkpoint != nullptr ? static_cast<const WeightSource&>(*checkpoint)
-                                 : static_cast<const WeightSource&>(*store);
-  }
-};
-
-absl::StatusOr<WeightSourceHolder> OpenWeights(const std::string& model_dir,
-                                               const std::string& instance) {
-  WeightSourceHolder h;
-  if (!model_dir.empty()) {
-    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(model_dir);
-    if (!ckpt.ok()) return ckpt.status();
-    h.checkpoint = *std::move(ckpt);
-    h.config = h.checkpoint->config();
-    h.description = model_dir;
-    return h;
-  }
-  absl::StatusOr<std::unique_ptr<shm::WeightStore>> store = shm::WeightStore::Attach(instance);
-  if (!store.ok()) return store.status();
-  h.store = *std::move(store);
-  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(h.store->manifest().config_json);
-  if (!config.ok()) {
-    return absl::Status(
-        config.status().code(),
-        absl::StrCat("weightd instance ", instance, " config.json: ", config.status().message()));
-  }
-  h.config = *std::move(config);
-  h.description = absl::StrCat("weightd:", instance, " (", h.store->identity().ToString(), ")");
-  return h;
-}
 
 // A hand-off name prefix from the worker id: [A-Za-z0-9_.-] kept, anything else '_'.
 std::string ExportPrefix(const std::string& worker_id) {
@@ -229,7 +190,7 @@ int Run() {
   }
 
   // --- weights, device, runner
-  absl::StatusOr<WeightSourceHolder> weights = OpenWeights(model_dir, instance);
+  absl::StatusOr<shm::WeightSourceHolder> weights = shm::OpenWeights(model_dir, instance);
   if (!weights.ok()) {
     HMOE_LOG(ERROR) << "open weights: " << weights.status().message();
     return kExitError;

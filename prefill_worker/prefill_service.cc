@@ -31,6 +31,7 @@ v1::PrefillResponse OutcomeToProto(const PrefillOutcome& o, const std::string& w
   decode::v1::KvHandle* h = r.mutable_kv_handle();
   if (o.handle.kind == KvHandleSpec::Kind::kCudaIpc) {
     h->set_cuda_ipc_handle(o.handle.cuda_ipc_handle);
+    h->set_cuda_device(o.handle.cuda_device);
   } else {
     h->set_shm_name(o.handle.shm_name);
   }

@@ -76,16 +76,7 @@ class ShmKvImporter final : public KvImporter {
           "kv_handle.cuda_ipc_handle: this worker imports shared-memory hand-offs only (no CUDA "
           "attention device)");
     }
-    HMOE_RETURN_IF_ERROR(ValidateKvHandoffName(handle.shm_name));
-    if (handle.num_tokens < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_handle.num_tokens: ", handle.num_tokens, " must be >= 1"));
-    }
-    if (handle.layout_version != expected.layout_version) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_handle.layout_version: ", handle.layout_version, ", this worker reads ",
-                       expected.layout_version));
-    }
+    HMOE_RETURN_IF_ERROR(ValidateKvHandleSpec(handle, expected));
     const std::string path = ShmPath(handle.shm_name);
     const int fd = ::shm_open(path.c_str(), O_RDONLY | O_CLOEXEC, 0);
     if (fd < 0) return ErrnoStatus(errno, absl::StrCat("open kv hand-off segment ", path));
@@ -193,6 +184,36 @@ absl::Status ValidateKvHandoffName(std::string_view name) {
   }
   if (name == "." || name == "..") {
     return absl::InvalidArgumentError("kv_handle.shm_name: must not be . or ..");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateKvHandleSpec(const KvHandleSpec& handle, const KvHandoffShape& expected) {
+  if (handle.kind == KvHandleSpec::Kind::kShm) {
+    HMOE_RETURN_IF_ERROR(ValidateKvHandoffName(handle.shm_name));
+  } else {
+    if (handle.cuda_ipc_handle.size() != kKvCudaIpcHandleBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_handle.cuda_ipc_handle: ", handle.cuda_ipc_handle.size(),
+                       " bytes, expected ", kKvCudaIpcHandleBytes));
+    }
+    const std::string& bus = handle.cuda_device;
+    const bool bus_ok = !bus.empty() && bus.size() <= 64 &&
+                        bus.find_first_not_of("0123456789abcdefABCDEF:.") == std::string::npos;
+    if (!bus_ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_handle.cuda_device: \"", bus,
+                       "\" is not a PCI bus id (like 0000:65:00.0) of the exporting GPU"));
+    }
+  }
+  if (handle.num_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_handle.num_tokens: ", handle.num_tokens, " must be >= 1"));
+  }
+  if (handle.layout_version != expected.layout_version) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_handle.layout_version: ", handle.layout_version, ", this worker reads ",
+                     expected.layout_version));
   }
   return absl::OkStatus();
 }

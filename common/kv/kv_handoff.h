@@ -115,15 +115,27 @@ class KvHandoffSegment {
   size_t size_bytes_ = 0;
 };
 
+// Bytes of a CUDA IPC memory handle (cudaIpcMemHandle_t).
+inline constexpr size_t kKvCudaIpcHandleBytes = 64;
+
 // Where a hand-off buffer lives (the proto's KvHandle).
 struct KvHandleSpec {
   enum class Kind { kShm, kCudaIpc };
   Kind kind = Kind::kShm;
   std::string shm_name;         // kShm
   std::string cuda_ipc_handle;  // kCudaIpc: the raw cudaIpcMemHandle_t bytes
+  // kCudaIpc: the PCI bus id of the GPU holding the buffer ("0000:65:00.0"), which names it in
+  // every process (CUDA ordinals depend on each process's CUDA_VISIBLE_DEVICES).
+  std::string cuda_device;
   int64_t num_tokens = 0;       // what the caller says the buffer holds
   uint32_t layout_version = 0;  // what the caller says the layout is
 };
+
+// The checks that need no buffer: num_tokens >= 1, layout_version == expected.layout_version,
+// and for kShm a valid name (ValidateKvHandoffName), for kCudaIpc a handle of
+// kKvCudaIpcHandleBytes bytes and a PCI bus id of [0-9A-Fa-f:.]{1,64}. InvalidArgument naming the
+// kv_handle field otherwise.
+absl::Status ValidateKvHandleSpec(const KvHandleSpec& handle, const KvHandoffShape& expected);
 
 // An opened, validated hand-off buffer. The payload stays readable until the object is
 // destroyed. Thread-compatible.
@@ -140,18 +152,35 @@ class KvImportSource {
 };
 
 // Opens hand-off buffers for the decode worker. Thread-safe.
+//
+// The caller must destroy the source before acknowledging the import: on the acknowledgement the
+// prefill worker frees the buffer, and a CUDA IPC mapping must be closed before its memory is
+// freed (cudaIpcCloseMemHandle before the exporter's cudaFree).
 class KvImporter {
  public:
   virtual ~KvImporter() = default;
   // Opens `handle` and validates its header against `expected` and handle.num_tokens. Errors:
-  // InvalidArgument (bad name, header/shape/layout mismatch, truncated buffer), NotFound (no such
-  // segment), PermissionDenied (owned by another user or accessible to group/others),
-  // Unavailable (a CUDA IPC handle on a build or machine without CUDA).
+  // InvalidArgument (bad name or handle bytes, header/shape/layout mismatch, truncated buffer),
+  // NotFound (no such segment; a CUDA IPC handle whose exporter exited or freed the buffer),
+  // PermissionDenied (a segment owned by another user or accessible to group/others),
+  // FailedPrecondition (the GPU holding a CUDA IPC buffer is not visible to this process, or
+  // cannot be mapped), Unavailable (a CUDA IPC handle on a build or machine without CUDA, or on an
+  // importer built for shared memory only).
   virtual absl::StatusOr<std::unique_ptr<KvImportSource>> Open(const KvHandleSpec& handle,
                                                                const KvHandoffShape& expected) = 0;
 };
 
 // The CPU implementation: shared-memory segments (CUDA IPC handles are Unavailable).
 std::unique_ptr<KvImporter> NewShmKvImporter();
+
+// Where the decode worker imports to: the GPU its attention and KV pool run on, or host memory.
+struct KvImportTarget {
+  int cuda_device = -1;  // CUDA ordinal in this process; -1: host memory (CPU attention)
+};
+
+// Every hand-off kind: shared-memory segments, and CUDA IPC handles (common/kv/cuda_ipc_import.h:
+// the payload stays on the GPU when `target` is the buffer's GPU or a peer of it, else it is
+// copied to host memory; Unavailable on a build or machine without CUDA).
+std::unique_ptr<KvImporter> NewKvImporter(const KvImportTarget& target);
 
 }  // namespace hmoe

@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "common/kv/kv_handoff.h"
+#include "common/rpc/grpc_status.h"
 #include "common/rpc/registry_client.h"
 #include "decode_worker/worker_setup.h"
 #include "proto/worker_registry.grpc.pb.h"
@@ -99,6 +100,34 @@ TEST(RequestFromProtoTest, KvHandleIsOpenedAndChecked) {
   ASSERT_TRUE(KvHandoffSegment::Remove(name).ok());
 }
 
+// Records the handle it is asked to open.
+class RecordingImporter final : public KvImporter {
+ public:
+  absl::StatusOr<std::unique_ptr<KvImportSource>> Open(const KvHandleSpec& handle,
+                                                       const KvHandoffShape&) override {
+    last = handle;
+    return absl::UnavailableError("recording only");
+  }
+  KvHandleSpec last;
+};
+
+TEST(RequestFromProtoTest, CudaIpcHandleReachesTheImporterWithItsGpu) {
+  v1::AdmitRequest p;
+  p.set_request_id("gpu");
+  p.set_max_new_tokens(2);
+  p.mutable_kv_handle()->set_cuda_ipc_handle(std::string(64, 'h'));
+  p.mutable_kv_handle()->set_cuda_device("0000:65:00.0");
+  p.mutable_kv_handle()->set_num_tokens(5);
+  p.mutable_kv_handle()->set_layout_version(kKvHandoffLayoutVersion);
+  RecordingImporter importer;
+  EXPECT_TRUE(absl::IsUnavailable(RequestFromProto(p, importer, Shape()).status()));
+  EXPECT_EQ(importer.last.kind, KvHandleSpec::Kind::kCudaIpc);
+  EXPECT_EQ(importer.last.cuda_ipc_handle, std::string(64, 'h'));
+  EXPECT_EQ(importer.last.cuda_device, "0000:65:00.0");
+  EXPECT_EQ(importer.last.num_tokens, 5);
+  EXPECT_EQ(importer.last.layout_version, kKvHandoffLayoutVersion);
+}
+
 TEST(EventToProtoTest, EveryEventKind) {
   v1::AdmitResponse t = EventToProto(TokenEvent{17, 3, 1000, 250});
   ASSERT_TRUE(t.has_token());
@@ -117,10 +146,10 @@ TEST(EventToProtoTest, EveryEventKind) {
   EXPECT_EQ(e.finished().reason(), v1::FINISH_REASON_ERROR);
   EXPECT_EQ(e.finished().error_message(), "boom");
   EXPECT_EQ(e.finished().usage().completion_tokens(), 5);
-  EXPECT_EQ(ToGrpcStatus(absl::ResourceExhaustedError("x")).error_code(),
+  EXPECT_EQ(rpc::ToGrpcStatus(absl::ResourceExhaustedError("x")).error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(absl::IsInvalidArgument(
-      FromGrpcStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "y"))));
+      rpc::FromGrpcStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "y"))));
 }
 
 // ------------------------------------------------------------------------- registry client

@@ -24,6 +24,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "common/device/device.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/kv/kv_handoff.h"
 #include "common/model/checkpoint.h"
@@ -419,6 +420,13 @@ TEST_F(DecodeWorkerTest, BadInputIsInvalidArgumentNamingTheField) {
   kv.mutable_kv_handle()->set_num_tokens(3);
   kv.mutable_kv_handle()->set_layout_version(kKvHandoffLayoutVersion);
   cases.push_back({kv, "kv_handle.shm_name"});
+  v1::AdmitRequest gpu = kv;
+  gpu.mutable_kv_handle()->set_cuda_ipc_handle("short");
+  gpu.mutable_kv_handle()->set_cuda_device("0000:01:00.0");
+  cases.push_back({gpu, "kv_handle.cuda_ipc_handle"});
+  gpu.mutable_kv_handle()->set_cuda_ipc_handle(std::string(64, '\0'));
+  gpu.mutable_kv_handle()->set_cuda_device("");
+  cases.push_back({gpu, "kv_handle.cuda_device"});
   for (const Case& c : cases) {
     Stream s = w->Admit(c.request);
     EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
@@ -426,6 +434,12 @@ TEST_F(DecodeWorkerTest, BadInputIsInvalidArgumentNamingTheField) {
     EXPECT_NE(s.status.error_message().find(c.field), std::string::npos)
         << "want \"" << c.field << "\" in: " << s.status.error_message();
     EXPECT_TRUE(s.tokens.empty());
+  }
+  // A well-formed CUDA IPC handle needs a GPU (and CUDA in the build) to be opened.
+  if (CudaDeviceCount() == 0) {
+    gpu.mutable_kv_handle()->set_cuda_device("0000:01:00.0");
+    Stream s = w->Admit(gpu);
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAVAILABLE) << s.status.error_message();
   }
   // Still serving.
   Stream ok = w->Admit(GreedyRequest("fine", Prompt(3, 1), 2));

@@ -20,4 +20,24 @@ absl::StatusOr<std::string> IpcMemHandle(const void*) {
   return absl::UnavailableError("cuda ipc handle: built without CUDA (HMOE_CUDA=OFF)");
 }
 
+absl::StatusOr<std::string> PciBusIdOf(const void*) {
+  return absl::UnavailableError("cuda pci bus id: built without CUDA (HMOE_CUDA=OFF)");
+}
+absl::StatusOr<int> DeviceByPciBusId(const std::string&) {
+  return absl::UnavailableError("cuda device by pci bus id: built without CUDA (HMOE_CUDA=OFF)");
+}
+bool CanAccessPeer(int, int) { return false; }
+absl::StatusOr<void*> IpcOpenMemHandle(std::string_view, int) {
+  return absl::UnavailableError("open cuda ipc handle: built without CUDA (HMOE_CUDA=OFF)");
+}
+absl::Status IpcCloseMemHandle(void*, int) {
+  return absl::UnavailableError("close cuda ipc handle: built without CUDA (HMOE_CUDA=OFF)");
+}
+absl::StatusOr<size_t> AllocationBytes(const void*, int) {
+  return absl::UnavailableError("cuda allocation size: built without CUDA (HMOE_CUDA=OFF)");
+}
+absl::Status CopyToHostSync(void*, const void*, size_t, int) {
+  return absl::UnavailableError("cuda copy to host: built without CUDA (HMOE_CUDA=OFF)");
+}
+
 }  // namespace hmoe::cuda

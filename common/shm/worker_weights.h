@@ -1,0 +1,41 @@
+#pragma once
+
+// Where a worker process's weights come from (hmoe-prefill-worker, hmoe-decode-worker): a
+// checkpoint directory opened directly (tests, CPU-only use), or the shared memory of a running
+// hmoe-weightd instance (WeightStore, the production path).
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+#include "common/model/checkpoint.h"
+#include "common/model/model_config.h"
+#include "common/model/tensor.h"
+#include "common/shm/weight_store.h"
+
+namespace hmoe::shm {
+
+// The opened weights; keeps the source alive. Move-only (owns the source).
+struct WeightSourceHolder {
+  std::unique_ptr<Checkpoint> checkpoint;  // set with a model directory
+  std::unique_ptr<WeightStore> store;      // set with a weightd instance
+  ModelConfig config;
+  // For logs and registration: the directory, or "weightd:<instance> (<model identity>)".
+  std::string description;
+
+  // The one source that is set.
+  const WeightSource& source() const {
+    return checkpoint != nullptr ? static_cast<const WeightSource&>(*checkpoint)
+                                 : static_cast<const WeightSource&>(*store);
+  }
+};
+
+// Opens the checkpoint in `model_dir` when it is not empty, else attaches to the weightd
+// `instance`. Errors of Checkpoint::Open and WeightStore::Attach; an instance whose config.json
+// does not parse keeps ModelConfig::FromJson's code with a message naming the instance;
+// InvalidArgument when both are empty.
+absl::StatusOr<WeightSourceHolder> OpenWeights(const std::string& model_dir,
+                                               const std::string& instance);
+
+}  // namespace hmoe::shm
