@@ -9,6 +9,7 @@
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/device/ring_buffer.h"
 
 namespace hmoe::prefill {
 namespace {
@@ -94,9 +95,11 @@ absl::StatusOr<std::unique_ptr<SlpRunner>> SlpRunner::Create(const ModelConfig& 
   } else {
     const size_t budget = device.budget_bytes();
     const size_t in_use = device.bytes_in_use() - r->weights_->ring_bytes();
-    const int64_t fit = budget == SIZE_MAX || budget <= in_use
+    // A ring of n slots takes n * slot bytes plus its alignment margin.
+    const size_t margin = DeviceRingBuffer::kAlignmentMargin;
+    const int64_t fit = budget == SIZE_MAX || budget <= in_use + margin
                             ? (budget == SIZE_MAX ? loaded : 0)
-                            : static_cast<int64_t>((budget - in_use) / slot);
+                            : static_cast<int64_t>((budget - in_use - margin) / slot);
     r->ring_slots_short_ = std::min(loaded, fit);
     if (r->ring_slots_short_ < std::min<int64_t>(2, loaded)) {
       return absl::ResourceExhaustedError(absl::StrCat(

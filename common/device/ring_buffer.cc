@@ -1,24 +1,41 @@
 #include "common/device/ring_buffer.h"
 
+#include <cstdint>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 
+#include "common/base/logging.h"
 #include "common/base/status_macros.h"
 #include "common/device/sync_internal.h"
 
 namespace hmoe {
 namespace {
 
-constexpr size_t kSlotAlignment = 256;
+constexpr size_t kSlotAlignment = DeviceRingBuffer::kSlotAlignment;
+// What Device::Allocate guarantees (device.h); the ring adds the difference to reach a boundary.
+constexpr size_t kDeviceAlignment = 64;
+constexpr size_t kAlignmentMargin = DeviceRingBuffer::kAlignmentMargin;
+static_assert(kAlignmentMargin == kSlotAlignment - kDeviceAlignment);
+
+std::byte* AlignUp(void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t aligned = (address + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  return static_cast<std::byte*>(p) + (aligned - address);
+}
 
 }  // namespace
 
 DeviceRingBuffer::DeviceRingBuffer(DeviceBuffer memory, size_t slot_bytes, int64_t num_slots)
     : memory_(std::move(memory)),
+      base_(AlignUp(memory_.data())),
       slot_bytes_(slot_bytes),
       num_slots_(num_slots),
-      busy_(num_slots, false) {}
+      busy_(num_slots, false) {
+  HMOE_CHECK(base_ + slot_bytes_ * static_cast<size_t>(num_slots_) <=
+             static_cast<std::byte*>(memory_.data()) + memory_.size_bytes())
+      << "ring buffer: device allocation less than " << kDeviceAlignment << "-byte aligned";
+}
 
 absl::StatusOr<std::unique_ptr<DeviceRingBuffer>> DeviceRingBuffer::Create(Device& device,
                                                                            size_t slot_bytes,
@@ -29,9 +46,9 @@ absl::StatusOr<std::unique_ptr<DeviceRingBuffer>> DeviceRingBuffer::Create(Devic
         absl::StrCat("ring buffer: ", num_slots, " slots of ", slot_bytes, " bytes"));
   }
   const size_t rounded = (slot_bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
-  HMOE_ASSIGN_OR_RETURN(
-      DeviceBuffer memory,
-      device.AllocateBlocking(rounded * static_cast<size_t>(num_slots), deadline));
+  HMOE_ASSIGN_OR_RETURN(DeviceBuffer memory,
+                        device.AllocateBlocking(
+                            rounded * static_cast<size_t>(num_slots) + kAlignmentMargin, deadline));
   return std::unique_ptr<DeviceRingBuffer>(
       new DeviceRingBuffer(std::move(memory), rounded, num_slots));
 }
@@ -48,8 +65,7 @@ absl::StatusOr<DeviceRingBuffer::Slot> DeviceRingBuffer::Acquire(absl::Time dead
   Slot slot;
   slot.sequence = next_++;
   slot.index = static_cast<int64_t>(slot.sequence % static_cast<uint64_t>(num_slots_));
-  slot.data =
-      static_cast<std::byte*>(memory_.data()) + static_cast<size_t>(slot.index) * slot_bytes_;
+  slot.data = base_ + static_cast<size_t>(slot.index) * slot_bytes_;
   busy_[slot.index] = true;
   ++acquired_;
   return slot;

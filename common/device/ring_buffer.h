@@ -6,6 +6,11 @@
 // ...): Acquire waits until the next slot in order has been released. Release may come in any
 // order (a slot becomes acquirable again when released). Thread-safe: typically the loader
 // acquires and the unloader releases.
+//
+// Slots start at 256-byte boundaries (what a cudaMalloc'ed tensor gets, and what vector loads and
+// DMA like best). Device::Allocate promises only 64-byte alignment (CpuDevice gives no more), so
+// the ring takes up to 192 bytes more than num_slots * slot_bytes and starts at the first 256-byte
+// boundary of its allocation.
 
 #include <condition_variable>
 #include <cstddef>
@@ -23,6 +28,10 @@ namespace hmoe {
 
 class DeviceRingBuffer {
  public:
+  // Slot alignment, and the most the ring adds to num_slots * slot_bytes to reach it.
+  static constexpr size_t kSlotAlignment = 256;
+  static constexpr size_t kAlignmentMargin = kSlotAlignment - 64;
+
   struct Slot {
     int64_t index = -1;     // 0 .. num_slots - 1
     uint64_t sequence = 0;  // how many slots were acquired before this one
@@ -30,7 +39,8 @@ class DeviceRingBuffer {
   };
 
   // slot_bytes() is `slot_bytes` rounded up to a multiple of 256.
-  // Allocates the ring from `device` (which must outlive it) with AllocateBlocking(deadline).
+  // Allocates footprint_bytes() from `device` (which must outlive it) with
+  // AllocateBlocking(deadline).
   // InvalidArgument for zero sizes; the device's allocation errors otherwise.
   static absl::StatusOr<std::unique_ptr<DeviceRingBuffer>> Create(
       Device& device, size_t slot_bytes, int64_t num_slots,
@@ -45,12 +55,15 @@ class DeviceRingBuffer {
 
   size_t slot_bytes() const { return slot_bytes_; }
   int64_t num_slots() const { return num_slots_; }
+  // Device bytes the ring holds: num_slots() * slot_bytes() plus the alignment margin (< 256).
+  size_t footprint_bytes() const { return memory_.size_bytes(); }
   int64_t num_acquired() const;
 
  private:
   DeviceRingBuffer(DeviceBuffer memory, size_t slot_bytes, int64_t num_slots);
 
   DeviceBuffer memory_;
+  std::byte* base_;          // the first 256-byte boundary in memory_: slot 0
   const size_t slot_bytes_;  // rounded up to 256
   const int64_t num_slots_;
   // std::mutex, not absl::Mutex: see common/device/sync_internal.h. Guards everything below.

@@ -253,7 +253,7 @@ int64_t StreamingWeights::ring_slots() const {
 
 size_t StreamingWeights::ring_bytes() const {
   std::unique_lock<std::mutex> lock(mu_);
-  return ring_ == nullptr ? 0 : ring_->slot_bytes() * static_cast<size_t>(ring_->num_slots());
+  return ring_ == nullptr ? 0 : ring_->footprint_bytes();
 }
 
 absl::Status StreamingWeights::SetRingSlots(int64_t slots) {

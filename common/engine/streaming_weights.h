@@ -139,6 +139,7 @@ class StreamingWeights final : public WeightProvider {
 
   int64_t ring_slots() const;
   size_t ring_slot_bytes() const { return ring_slot_bytes_; }
+  // Device bytes of the experts ring (DeviceRingBuffer::footprint_bytes; 0 without one).
   size_t ring_bytes() const;
   size_t budget_bytes() const { return arena_->capacity_bytes(); }
   // Modules per pass, and the routed experts loaded per layer (the most over the layers).
