@@ -56,7 +56,8 @@ ABSL_FLAG(int64_t, device_memory_mb, 0,
 ABSL_FLAG(double, copy_gbps, 0,
           "cpu device: cap host-to-device copies at this many GB/s to model a PCIe link (0: off)");
 ABSL_FLAG(int64_t, stream_budget_mb, 0,
-          "device MiB for streamed non-expert modules (0: 1024, or the largest such module)");
+          "device MiB for streamed non-expert modules (0: on cuda 1024 or the largest such "
+          "module; on cpu 3 layers' worth, at most 1024, at least the largest module)");
 ABSL_FLAG(int64_t, ring_slots, 0,
           "experts ring slots for short prompts (0: experts per layer, capped by device memory)");
 ABSL_FLAG(int64_t, ring_turning_point, 0,

@@ -46,9 +46,11 @@ struct SlpRunnerOptions {
   int64_t max_prompt_tokens = 0;
   int64_t max_step_tokens = 0;
   int64_t kv_block_tokens = 64;
-  // Streaming budget for the modules outside the ring. 0: 1 GiB, raised to the largest such
-  // module when that is larger (DeepSeek-V3's BF16 lm_head is 1.85 GB). An explicit value
-  // smaller than a module fails Create with InvalidArgument.
+  // Streaming budget for the modules outside the ring. 0: DefaultStreamBudgetBytes — on a GPU
+  // 1 GiB, raised to the largest such module when that is larger (DeepSeek-V3's BF16 lm_head is
+  // 1.85 GB); on the CPU device the non-expert modules of 3 layers (at most 1 GiB, at least the
+  // largest module), since its arena is process memory. An explicit value smaller than a module
+  // fails Create with InvalidArgument.
   size_t stream_budget_bytes = 0;
   // Ring slots for prompts shorter than the turning point. 0: the routed experts per layer,
   // capped by the device memory left after everything else (at least 2).

@@ -139,6 +139,15 @@ StreamingWeights::~StreamingWeights() {
   if (unloader_.joinable()) unloader_.join();
 }
 
+size_t DefaultStreamBudgetBytes(bool host_memory_device, size_t largest_module_bytes,
+                                size_t largest_layer_bytes) {
+  if (!host_memory_device) return std::max(kDefaultStreamBudgetBytes, largest_module_bytes);
+  const size_t lookahead =
+      std::min(kDefaultStreamBudgetBytes,
+               static_cast<size_t>(kHostStreamLookaheadLayers) * largest_layer_bytes);
+  return std::max(largest_module_bytes, lookahead);
+}
+
 absl::StatusOr<std::unique_ptr<StreamingWeights>> StreamingWeights::Create(
     const ModelConfig& config, const WeightSource& source, Device& device,
     const StreamingWeightsOptions& options) {
@@ -153,9 +162,12 @@ absl::StatusOr<std::unique_ptr<StreamingWeights>> StreamingWeights::Create(
   w->host_device_ = NewCpuDevice();
   HMOE_ASSIGN_OR_RETURN(w->host_, ResidentWeights::Create(config, source, *w->host_device_));
   HMOE_RETURN_IF_ERROR(w->Plan(config));
-  const size_t budget = options.budget_bytes == 0
-                            ? std::max(kDefaultStreamBudgetBytes, w->largest_budget_module_)
-                            : AlignUp(options.budget_bytes, StreamArena::kAlignment);
+  const size_t budget =
+      options.budget_bytes == 0
+          ? AlignUp(DefaultStreamBudgetBytes(device.host_accessible(), w->largest_budget_module_,
+                                             w->largest_layer_budget_),
+                    StreamArena::kAlignment)
+          : AlignUp(options.budget_bytes, StreamArena::kAlignment);
   for (const auto& m : w->modules_) {
     if (!m->ring && m->bytes > budget) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -198,6 +210,7 @@ absl::Status StreamingWeights::Plan(const ModelConfig& c) {
     loaded_experts_per_layer_ = std::max(loaded_experts_per_layer_, loaded);
   }
   order.push_back({ModuleKind::kHead, -1, -1});
+  std::vector<size_t> layer_budget_bytes(static_cast<size_t>(c.num_hidden_layers), 0);
 
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, host_device_->CreateStream());
   for (const ModuleId& id : order) {
@@ -229,6 +242,11 @@ absl::Status StreamingWeights::Plan(const ModelConfig& c) {
       ring_slot_bytes_ = std::max(ring_slot_bytes_, m->bytes);
     } else {
       largest_budget_module_ = std::max(largest_budget_module_, m->bytes);
+      if (id.layer >= 0) {
+        size_t& layer = layer_budget_bytes[static_cast<size_t>(id.layer)];
+        layer += m->bytes;
+        largest_layer_budget_ = std::max(largest_layer_budget_, layer);
+      }
     }
     bytes_per_pass_ += m->copy_bytes;
     modules_.push_back(std::move(m));

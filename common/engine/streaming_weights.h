@@ -57,6 +57,20 @@ namespace hmoe {
 
 // The paper's "fixed budget of about 1 GB" for the non-expert tensors.
 inline constexpr size_t kDefaultStreamBudgetBytes = size_t{1} << 30;
+// On a host-memory device (CpuDevice) the default budget holds the non-expert modules of this many
+// layers (the one computing and the next ones staged) instead: the arena is process memory, and
+// its first-in first-out allocation cycles through all of it, so a 1 GiB arena ends up resident.
+inline constexpr int64_t kHostStreamLookaheadLayers = 3;
+
+// The streaming budget when none is given (StreamingWeightsOptions::budget_bytes == 0):
+//   device memory (GPU): max(kDefaultStreamBudgetBytes, largest_module_bytes);
+//   host memory (CpuDevice): max(largest_module_bytes, min(kDefaultStreamBudgetBytes,
+//                                kHostStreamLookaheadLayers * largest_layer_bytes)),
+// where largest_module_bytes is the largest non-expert module (often the head) and
+// largest_layer_bytes the most non-expert bytes of one layer (attention + dense MLP or shared
+// experts).
+size_t DefaultStreamBudgetBytes(bool host_memory_device, size_t largest_module_bytes,
+                                size_t largest_layer_bytes);
 
 struct StreamingWeightsOptions {
   // Experts ring length in slots (>= 1). 0: the number of routed experts loaded per layer (the
@@ -64,7 +78,7 @@ struct StreamingWeightsOptions {
   int64_t ring_slots = 0;
   // Device bytes for the modules outside the ring (attention blocks, dense MLPs, shared experts,
   // the head). Every such module must fit on its own: InvalidArgument at Create otherwise. 0:
-  // kDefaultStreamBudgetBytes, raised to the largest such module when that is larger.
+  // DefaultStreamBudgetBytes (1 GiB on a GPU, a few layers' worth on the CPU device).
   size_t budget_bytes = kDefaultStreamBudgetBytes;
   // Which routed experts this provider streams (a DSLP rank: its own); null: all. The engine's
   // Acquire of an expert that is not loaded fails with FailedPrecondition.
@@ -147,6 +161,8 @@ class StreamingWeights final : public WeightProvider {
   int64_t loaded_experts_per_layer() const { return loaded_experts_per_layer_; }
   // The largest module outside the ring (the smallest budget that works).
   size_t largest_budget_module_bytes() const { return largest_budget_module_; }
+  // The most non-expert module bytes of one layer.
+  size_t largest_layer_budget_bytes() const { return largest_layer_budget_; }
   // Weight bytes one pass streams.
   size_t bytes_per_pass() const { return bytes_per_pass_; }
   // The module order of one pass.
@@ -179,6 +195,7 @@ class StreamingWeights final : public WeightProvider {
   int64_t loaded_experts_per_layer_ = 0;
   size_t ring_slot_bytes_ = 0;
   size_t largest_budget_module_ = 0;
+  size_t largest_layer_budget_ = 0;
   size_t bytes_per_pass_ = 0;
   std::unique_ptr<StreamArena> arena_;
   std::unique_ptr<Stream> loader_stream_;

@@ -134,6 +134,44 @@ TEST(StreamingWeightsTest, SlpEqualsResidentPrefillBitwiseForEveryRingLength) {
   }
 }
 
+TEST(StreamingWeightsTest, DefaultBudgetIsOneGibOnAGpuAndAFewLayersOnTheCpu) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  // GPU: the paper's 1 GiB, or the largest module when larger.
+  EXPECT_EQ(DefaultStreamBudgetBytes(false, 10 * kMiB, 20 * kMiB), kDefaultStreamBudgetBytes);
+  EXPECT_EQ(DefaultStreamBudgetBytes(false, 1900 * kMiB, 20 * kMiB), 1900 * kMiB);
+  // Host memory: three layers' worth, capped at 1 GiB, never below the largest module.
+  EXPECT_EQ(DefaultStreamBudgetBytes(true, 10 * kMiB, 20 * kMiB), 60 * kMiB);
+  EXPECT_EQ(DefaultStreamBudgetBytes(true, 100 * kMiB, 20 * kMiB), 100 * kMiB);
+  EXPECT_EQ(DefaultStreamBudgetBytes(true, 10 * kMiB, 600 * kMiB), kDefaultStreamBudgetBytes);
+  EXPECT_EQ(DefaultStreamBudgetBytes(true, 1900 * kMiB, 600 * kMiB), 1900 * kMiB);
+}
+
+// On the CPU device the default arena is sized from the model (a few layers), not 1 GiB: the
+// device holds only that much for weights outside the ring, and SLP is still exact.
+TEST(StreamingWeightsTest, DefaultBudgetOnTheCpuDeviceIsSizedFromTheModel) {
+  Model& model = Tiny();
+  const std::vector<int32_t> prompt = Prompt();
+  auto resident = ResidentRig(model, ExpertPlacement::kDevice);
+  ASSERT_NE(resident, nullptr);
+  const PrefillResult want = Prefill(*resident->engine, *resident->cache, prompt);
+  auto slp = SlpRig::Make(model, {.ring_slots = 2, .budget_bytes = 0});
+  ASSERT_NE(slp, nullptr);
+  const StreamingWeights& w = *slp->weights;
+  ASSERT_GT(w.largest_layer_budget_bytes(), 0u);
+  EXPECT_GE(w.largest_layer_budget_bytes(), w.largest_budget_module_bytes() / 2);
+  const size_t expected = DefaultStreamBudgetBytes(true, w.largest_budget_module_bytes(),
+                                                   w.largest_layer_budget_bytes());
+  EXPECT_EQ(w.budget_bytes(), (expected + 255) / 256 * 256);
+  EXPECT_LT(w.budget_bytes(), kDefaultStreamBudgetBytes / 64);
+  EXPECT_GE(w.budget_bytes(), 3 * w.largest_layer_budget_bytes());
+  StreamingStats stats;
+  const PrefillResult got = slp->Run(prompt, &stats);
+  EXPECT_EQ(got.logits, want.logits);
+  EXPECT_EQ(got.kv, want.kv);
+  EXPECT_LE(stats.arena_peak_bytes, w.budget_bytes());
+  RecordProperty("default_cpu_budget_bytes", static_cast<int>(w.budget_bytes()));
+}
+
 TEST(StreamingWeightsTest, MultiPassPrefillEqualsResidentWithTheSameSteps) {
   Model& model = Tiny();
   EngineOptions options;
