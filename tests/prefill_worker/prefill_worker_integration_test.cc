@@ -34,6 +34,7 @@
 #include "proto/worker_registry.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
 #include "tests/integration/child_process.h"
+#include "tests/prefill_worker/handoff_test_util.h"
 
 namespace hmoe::prefill {
 namespace {
@@ -45,236 +46,38 @@ using ::hmoe::testing::ChildProcess;
 using namespace std::chrono_literals;
 namespace dv1 = ::hmoe::decode::v1;
 
+using testing::Admit;
+using testing::AdmitRequest;
+using testing::Eventually;
+using testing::Generation;
+using testing::HandOff;
+using testing::HandOffEnv;
+using testing::kTokens;
+using testing::PrefillClient;
+using testing::PrefillRequest;
+using testing::Process;
+using testing::Prompt;
+using testing::ShmExists;
+using testing::ShmWithPrefix;
+
 constexpr char kPrefillWorker[] = HMOE_PREFILL_WORKER_PATH;
 constexpr char kDecodeWorker[] = HMOE_DECODE_WORKER_PATH;
-constexpr int kTokens = 64;
 
-struct Shared {
-  ScopedTempDir dir;
-  std::string model;
-  std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<reference::ReferenceModel> reference;
-};
-Shared* g_shared = nullptr;
-
-std::vector<int32_t> Prompt(int n, int seed) {
-  std::vector<int32_t> p;
-  for (int i = 0; i < n; ++i) p.push_back(static_cast<int32_t>(2 + (seed * 131 + i * 37) % 1000));
-  return p;
-}
-
-bool ShmExists(const std::string& name) { return std::filesystem::exists("/dev/shm/" + name); }
-
-// /dev/shm entries whose name starts with `prefix`.
-std::vector<std::string> ShmWithPrefix(const std::string& prefix) {
-  std::vector<std::string> out;
-  if (DIR* dir = ::opendir("/dev/shm")) {
-    while (const dirent* e = ::readdir(dir)) {
-      if (absl::StartsWith(e->d_name, prefix)) out.emplace_back(e->d_name);
-    }
-    ::closedir(dir);
-  }
-  return out;
-}
-
-template <typename F>
-bool Eventually(F cond, std::chrono::milliseconds timeout = 20s) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(10ms);
-  }
-  return cond();
-}
-
-// A worker process serving on a unix socket, SERVING once started.
-class Process {
- public:
-  static std::unique_ptr<Process> Start(const std::string& binary, const std::string& tag,
-                                        std::vector<std::string> extra, bool wait = true) {
-    auto p = std::unique_ptr<Process>(new Process());
-    p->socket_ = g_shared->dir.File(absl::StrCat("run-", tag, "/w.sock"));
-    std::vector<std::string> argv = {
-        binary,      "--model", g_shared->model,      "--socket", p->socket_,
-        "--threads", "1",       "--pin-threads=false"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    ChildOptions o;
-    o.argv = std::move(argv);
-    o.stderr_path = g_shared->dir.File(absl::StrCat(tag, ".err"));
-    auto child = ChildProcess::Start(std::move(o));
-    EXPECT_TRUE(child.ok()) << child.status();
-    if (!child.ok()) return nullptr;
-    p->child_ = std::make_unique<ChildProcess>(*std::move(child));
-    if (wait && !p->WaitServing()) return nullptr;
-    return p;
-  }
-
-  bool WaitServing() {
-    const auto deadline = std::chrono::steady_clock::now() + 60s;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (!child_->Running()) {
-        ADD_FAILURE() << "worker exited: " << child_->ReadStderr();
-        return false;
-      }
-      if (std::filesystem::exists(socket_)) {
-        channel_ = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
-        auto health = grpc::health::v1::Health::NewStub(channel_);
-        grpc::ClientContext ctx;
-        ctx.set_deadline(std::chrono::system_clock::now() + 1s);
-        grpc::health::v1::HealthCheckResponse resp;
-        if (health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
-            resp.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
-          return true;
-        }
-      }
-      std::this_thread::sleep_for(20ms);
-    }
-    ADD_FAILURE() << "worker not SERVING: " << child_->ReadStderr();
-    return false;
-  }
-
-  int Terminate() {
-    absl::StatusOr<int> code = child_->Terminate(60s);
-    EXPECT_TRUE(code.ok()) << code.status() << "\n" << child_->ReadStderr();
-    return code.ok() ? *code : -1;
-  }
-
-  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
-  ChildProcess& child() { return *child_; }
-  const std::string& socket() const { return socket_; }
-
- private:
-  Process() = default;
-  std::string socket_;
-  std::unique_ptr<ChildProcess> child_;
-  std::shared_ptr<grpc::Channel> channel_;
-};
-
-// The prefill worker's client.
-class PrefillClient {
- public:
-  explicit PrefillClient(const Process& p) : stub_(v1::PrefillService::NewStub(p.channel())) {}
-
-  grpc::Status Prefill(const v1::PrefillRequest& req, v1::PrefillResponse* resp) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 120s);
-    return stub_->Prefill(&ctx, req, resp);
-  }
-  grpc::Status Release(const std::string& id) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-    v1::ReleaseRequest req;
-    req.set_request_id(id);
-    v1::ReleaseResponse resp;
-    return stub_->Release(&ctx, req, &resp);
-  }
-  grpc::Status Cancel(const std::string& id) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-    v1::CancelRequest req;
-    req.set_request_id(id);
-    v1::CancelResponse resp;
-    return stub_->Cancel(&ctx, req, &resp);
-  }
-  v1::PrefillStatus Status() {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
-    v1::PrefillStatus st;
-    const grpc::Status s = stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return st;
-  }
-
- private:
-  std::unique_ptr<v1::PrefillService::Stub> stub_;
-};
-
-v1::PrefillRequest PrefillRequest(const std::string& id, const std::vector<int32_t>& prompt,
-                                  const dv1::SamplingParams& sampling = {}) {
-  v1::PrefillRequest r;
-  r.set_request_id(id);
-  for (int32_t t : prompt) r.add_prompt_token_ids(t);
-  *r.mutable_sampling() = sampling;
-  return r;
-}
-
-// One Admit stream as the router consumes it: `on_imported` runs when KvImported arrives.
-struct Generation {
-  grpc::Status status;
-  std::vector<int32_t> tokens;  // streamed tokens (without a hand-off's first token)
-  bool kv_imported_first = false;
-  bool finished = false;
-  dv1::Finished finish;
-};
-
-Generation Admit(const Process& decode, const dv1::AdmitRequest& request,
-                 const std::function<void()>& on_imported = nullptr) {
-  auto stub = dv1::DecodeService::NewStub(decode.channel());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + 120s);
-  Generation g;
-  auto reader = stub->Admit(&ctx, request);
-  dv1::AdmitResponse msg;
-  bool first = true;
-  while (reader->Read(&msg)) {
-    if (msg.has_kv_imported()) {
-      g.kv_imported_first = first;
-      if (on_imported) on_imported();
-    } else if (msg.has_token()) {
-      g.tokens.push_back(msg.token().token_id());
-    } else if (msg.has_finished()) {
-      g.finished = true;
-      g.finish = msg.finished();
-    }
-    first = false;
-  }
-  g.status = reader->Finish();
-  return g;
-}
-
-dv1::AdmitRequest AdmitRequest(const std::string& id, const std::vector<int32_t>& prompt,
-                               const dv1::SamplingParams& sampling = {}) {
-  dv1::AdmitRequest r;
-  r.set_request_id(id);
-  for (int32_t t : prompt) r.add_prompt_token_ids(t);
-  *r.mutable_sampling() = sampling;
-  r.set_max_new_tokens(kTokens);
-  r.set_ignore_eos(true);
-  return r;
-}
-
-// The router's hand-off: the prefill response's handle and first token in an AdmitRequest.
-dv1::AdmitRequest HandOff(const std::string& id, const std::vector<int32_t>& prompt,
-                          const v1::PrefillResponse& prefilled,
-                          const dv1::SamplingParams& sampling = {}) {
-  dv1::AdmitRequest r = AdmitRequest(id, prompt, sampling);
-  *r.mutable_kv_handle() = prefilled.kv_handle();
-  r.set_first_token_id(prefilled.first_token_id());
-  return r;
-}
+HandOffEnv* g_shared = nullptr;
 
 class PrefillWorkerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     // Notice a worker's GOAWAY promptly (see decode_worker_integration_test.cc).
     ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", 1);
-    g_shared = new Shared();
-    ASSERT_FALSE(g_shared->dir.path().empty());
-    g_shared->model = g_shared->dir.File("tiny");
-    ASSERT_TRUE(decode::testing::WritePreset("tiny", g_shared->model).ok());
-    auto ckpt = Checkpoint::Open(g_shared->model);
-    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-    g_shared->checkpoint = *std::move(ckpt);
-    auto ref =
-        reference::ReferenceModel::Create(g_shared->checkpoint->config(), *g_shared->checkpoint);
-    ASSERT_TRUE(ref.ok()) << ref.status();
-    g_shared->reference = *std::move(ref);
+    g_shared = testing::MakeHandOffEnv("tiny").release();
+    ASSERT_NE(g_shared, nullptr);
   }
   static void TearDownTestSuite() {
     delete g_shared;
     g_shared = nullptr;
   }
-  void SetUp() override { ASSERT_NE(g_shared->reference, nullptr); }
+  void SetUp() override { ASSERT_NE(g_shared, nullptr); }
 
   // A prefill worker with a small streaming budget, copies capped at 2 GB/s (the pipeline really
   // overlaps), and a unique worker id (its exports are hmoe-kv-<id>-*).
@@ -284,7 +87,7 @@ class PrefillWorkerTest : public ::testing::Test {
         "--worker-id",         PrefillId(tag), "--stream-budget-mb", "4", "--copy-gbps", "2",
         "--max-prompt-tokens", "1000"};
     flags.insert(flags.end(), extra.begin(), extra.end());
-    return Process::Start(kPrefillWorker, "prefill-" + tag, flags);
+    return Process::Start(*g_shared, kPrefillWorker, "prefill-" + tag, flags);
   }
   static std::string PrefillId(const std::string& tag) {
     return absl::StrCat("pw-", ::getpid(), "-", tag);
@@ -293,7 +96,7 @@ class PrefillWorkerTest : public ::testing::Test {
     return absl::StrCat("hmoe-kv-", PrefillId(tag), "-");
   }
   static std::unique_ptr<Process> StartDecode(const std::string& tag) {
-    return Process::Start(kDecodeWorker, "decode-" + tag, {"--kv-blocks", "64"});
+    return Process::Start(*g_shared, kDecodeWorker, "decode-" + tag, {"--kv-blocks", "64"});
   }
 };
 
