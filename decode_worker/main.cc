@@ -8,23 +8,19 @@
 //
 // Exit codes: 0 after SIGTERM/SIGINT (drained), 1 on a start-up or runtime error, 2 on bad flags.
 
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include <grpcpp/grpcpp.h>
@@ -120,23 +116,7 @@ int Run() {
   if (worker_id.empty()) worker_id = absl::StrCat("decode-", ::getpid());
 
   // --- signals: taken by one thread with sigtimedwait; every other thread has them blocked.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
-  absl::Notification stop_requested;
-  std::jthread signal_thread([&](std::stop_token token) {
-    const timespec tick{0, 100'000'000};
-    while (!token.stop_requested()) {
-      const int sig = ::sigtimedwait(&signals, nullptr, &tick);
-      if (sig > 0) {
-        HMOE_LOG(INFO) << "received signal " << sig << " (" << strsignal(sig) << "), draining";
-        if (!stop_requested.HasBeenNotified()) stop_requested.Notify();
-      }
-    }
-  });
+  rpc::StopSignalWatcher signals;
 
   // --- weights, device, engine
   absl::StatusOr<shm::WeightSourceHolder> weights = shm::OpenWeights(model_dir, instance);
@@ -193,7 +173,7 @@ int Run() {
   KvImportTarget import_target;
   if (device_spec->kind == DeviceKind::kCuda) import_target.cuda_device = device_spec->ordinal;
   std::unique_ptr<KvImporter> importer = NewKvImporter(import_target);
-  if (stop_requested.HasBeenNotified()) {
+  if (signals.StopRequested()) {
     HMOE_LOG(INFO) << "stopped while starting";
     return 0;
   }
@@ -253,7 +233,7 @@ int Run() {
   }
 
   // --- drain on SIGTERM
-  stop_requested.WaitForNotification();
+  signals.WaitForStop();
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
   (*scheduler)->StopAdmitting();

@@ -10,22 +10,18 @@
 //
 // Exit codes: 0 after SIGTERM/SIGINT (drained), 1 on a start-up or runtime error, 2 on bad flags.
 
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include <grpcpp/grpcpp.h>
@@ -164,23 +160,7 @@ int Run() {
   if (worker_id.empty()) worker_id = absl::StrCat("prefill-", ::getpid());
 
   // --- signals: taken by one thread with sigtimedwait; every other thread has them blocked.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
-  absl::Notification stop_requested;
-  std::jthread signal_thread([&](std::stop_token token) {
-    const timespec tick{0, 100'000'000};
-    while (!token.stop_requested()) {
-      const int sig = ::sigtimedwait(&signals, nullptr, &tick);
-      if (sig > 0) {
-        HMOE_LOG(INFO) << "received signal " << sig << " (" << strsignal(sig) << "), draining";
-        if (!stop_requested.HasBeenNotified()) stop_requested.Notify();
-      }
-    }
-  });
+  rpc::StopSignalWatcher signals;
 
   // --- exports left by a previous incarnation with this worker id
   const std::string export_prefix = ExportPrefix(worker_id);
@@ -250,7 +230,7 @@ int Run() {
   so.max_waiting = max_waiting;
   so.export_prefix = export_prefix;
   auto scheduler = std::make_unique<PrefillScheduler>(runner->get(), exports.get(), so);
-  if (stop_requested.HasBeenNotified()) {
+  if (signals.StopRequested()) {
     HMOE_LOG(INFO) << "stopped while starting";
     return 0;
   }
@@ -316,7 +296,7 @@ int Run() {
 
   // --- drain on SIGTERM: finish what runs and is queued, give the router time to release the
   // exports, then free whatever is left.
-  stop_requested.WaitForNotification();
+  signals.WaitForStop();
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
   scheduler->StopAccepting();

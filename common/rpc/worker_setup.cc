@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "common/base/logging.h"
+
 namespace hmoe::rpc {
 namespace {
 
@@ -97,6 +99,29 @@ absl::Status PrepareSocketPath(const std::string& path) {
     ::unlink(path.c_str());  // Stale: a previous worker that did not clean up.
   }
   return absl::OkStatus();
+}
+
+StopSignalWatcher::StopSignalWatcher() {
+  sigemptyset(&signals_);
+  sigaddset(&signals_, SIGTERM);
+  sigaddset(&signals_, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals_, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  thread_ = std::jthread([this](std::stop_token token) {
+    const timespec tick{0, 100'000'000};
+    while (!token.stop_requested()) {
+      const int sig = ::sigtimedwait(&signals_, nullptr, &tick);
+      if (sig > 0) {
+        HMOE_LOG(INFO) << "received signal " << sig << " (" << strsignal(sig) << "), draining";
+        if (!stop_.HasBeenNotified()) stop_.Notify();
+      }
+    }
+  });
+}
+
+StopSignalWatcher::~StopSignalWatcher() {
+  thread_.request_stop();
+  if (thread_.joinable()) thread_.join();
 }
 
 }  // namespace hmoe::rpc

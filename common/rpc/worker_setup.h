@@ -1,13 +1,18 @@
 #pragma once
 
 // Start-up helpers shared by the worker processes (hmoe-prefill-worker, hmoe-decode-worker):
-// the --device flag, on/off flags, dashed flag names, and the owner-only unix socket directory.
+// the --device flag, on/off flags, dashed flag names, the owner-only unix socket directory, and
+// the SIGTERM/SIGINT watcher.
+
+#include <signal.h>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 
 #include "common/device/device.h"
 
@@ -33,5 +38,28 @@ std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::st
 // and not accessible to group/others (PermissionDenied: another user could swap the socket).
 // Removes a stale socket file at `path`. InvalidArgument for a bad path.
 absl::Status PrepareSocketPath(const std::string& path);
+
+// Takes SIGTERM and SIGINT for the process: the constructor blocks them in the calling thread
+// (and so in every thread started from it afterwards: create it in main before any other thread)
+// and ignores SIGPIPE; its own thread waits for them with sigtimedwait, logs "received signal
+// ..., draining" and requests the stop. The destructor stops that thread (within 100 ms).
+// Thread-safe.
+class StopSignalWatcher {
+ public:
+  StopSignalWatcher();
+  ~StopSignalWatcher();
+  StopSignalWatcher(const StopSignalWatcher&) = delete;
+  StopSignalWatcher& operator=(const StopSignalWatcher&) = delete;
+
+  // Whether SIGTERM or SIGINT arrived.
+  bool StopRequested() const { return stop_.HasBeenNotified(); }
+  // Blocks until SIGTERM or SIGINT arrives.
+  void WaitForStop() const { stop_.WaitForNotification(); }
+
+ private:
+  sigset_t signals_;
+  absl::Notification stop_;
+  std::jthread thread_;  // last: starts after everything above exists
+};
 
 }  // namespace hmoe::rpc
