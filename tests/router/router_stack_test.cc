@@ -630,11 +630,14 @@ TEST_F(RouterStackTest, LongPromptsTakeThePolicyPathAndAgreeWithTheReference) {
 // with --max-dispatch-attempts=1 here, so the failure is not hidden by a retry); the router keeps
 // serving, marks the worker dead, and the next long prompt runs in a new group of the two live
 // workers, agreeing with the reference. Nothing of the broken group stays in /dev/shm. The prefill
-// workers' copies are capped (--copy-gbps) so a prefill lasts about two seconds.
+// workers' copies are capped (--copy-gbps) so a prefill lasts about two seconds. Standard EP.
 TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext) {
   if (!HavePrefillWorker()) GTEST_SKIP() << "hmoe-prefill-worker is not built in this tree";
-  auto stack = Stack::Start("dslp-kill", 3, {"--chunk-threshold=32", "--max-dispatch-attempts=1"},
-                            {}, {"--copy-gbps=0.002", "--threads=1", "--pin-threads=false"});
+  // Standard EP here (the policy test above runs the workers' default, SmallEP).
+  auto stack =
+      Stack::Start("dslp-kill", 3,
+                   {"--chunk-threshold=32", "--max-dispatch-attempts=1", "--dslp-ep-mode=standard"},
+                   {}, {"--copy-gbps=0.002", "--threads=1", "--pin-threads=false"});
   ASSERT_NE(stack, nullptr);
   const std::string router_groups = absl::StrCat("hmoe.comm.hmoe-dslp-", stack->router().pid());
   auto leftover_groups = [&] {
@@ -648,18 +651,21 @@ TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext
   const std::vector<int32_t> prompt = Prompt(61, 5);  // not a multiple of 2S = 6
 
   Stream victim;
-  absl::Time killed;
+  absl::Time killed, failed;
   {
-    std::jthread client([&] { victim = stack->client().Generate(Greedy("victim", prompt, kNew)); });
+    std::jthread client([&] {
+      victim = stack->client().Generate(Greedy("victim", prompt, kNew));
+      failed = absl::Now();
+    });
     const absl::Time end = absl::Now() + absl::Seconds(60);
     while (!stack->PrefillStatus(1).busy() && absl::Now() < end) std::this_thread::sleep_for(2ms);
     ASSERT_TRUE(stack->PrefillStatus(1).busy()) << "the DSLP prefill never started";
     std::this_thread::sleep_for(300ms);  // inside the forward pass: the group formed at once
     EXPECT_TRUE(stack->PrefillStatus(0).busy());
-    stack->KillPrefill(1);
     killed = absl::Now();
+    stack->KillPrefill(1);
   }
-  const absl::Duration to_failure = absl::Now() - killed;
+  const absl::Duration to_failure = failed - killed;
   ASSERT_FALSE(victim.status.ok()) << "the request finished before the kill; nothing was tested";
   EXPECT_EQ(victim.status.error_code(), grpc::StatusCode::UNAVAILABLE)
       << victim.status.error_message();
@@ -706,6 +712,10 @@ TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext
   EXPECT_EQ(p0.dslp_prefills(), 2);
   EXPECT_EQ(p0.exports(), 0);
   EXPECT_EQ(stack->PrefillStatus(2).dslp_group_id(), p0.dslp_group_id());
+  EXPECT_TRUE(
+      absl::StrContains(ReadFile(stack->run() + "/prefill-2.log"),
+                        absl::StrCat("dslp group ", p0.dslp_group_id(), " rank 1/2 (standard)")))
+      << ReadFile(stack->run() + "/prefill-2.log");
   EXPECT_EQ(leftover_groups(), 0);
 }
 
