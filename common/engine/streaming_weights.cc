@@ -184,7 +184,7 @@ absl::Status StreamingWeights::Plan() {
   const ModelConfig& c = config_;
   modules_.clear();
   loaded_experts_per_layer_ = 0;
-  ring_slot_bytes_ = 0;
+  size_t slot_bytes = 0;  // published under mu_ at the end (ring_slot_bytes() is thread-safe)
   largest_budget_module_ = 0;
   bytes_per_pass_ = 0;
   std::vector<ModuleId> order;
@@ -233,13 +233,15 @@ absl::Status StreamingWeights::Plan() {
     });
     m->bytes = AlignUp(std::max<size_t>(cursor, 1), kTensorAlignment);
     if (m->ring) {
-      ring_slot_bytes_ = std::max(ring_slot_bytes_, m->bytes);
+      slot_bytes = std::max(slot_bytes, m->bytes);
     } else {
       largest_budget_module_ = std::max(largest_budget_module_, m->bytes);
     }
     bytes_per_pass_ += m->copy_bytes;
     modules_.push_back(std::move(m));
   }
+  std::unique_lock<std::mutex> lock(mu_);
+  ring_slot_bytes_ = slot_bytes;
   return absl::OkStatus();
 }
 
@@ -251,6 +253,11 @@ std::vector<ModuleId> StreamingWeights::schedule() const {
   std::vector<ModuleId> out;
   for (const auto& m : modules_) out.push_back(m->id);
   return out;
+}
+
+size_t StreamingWeights::ring_slot_bytes() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return ring_slot_bytes_;
 }
 
 int64_t StreamingWeights::ring_slots() const {
@@ -301,7 +308,10 @@ absl::Status StreamingWeights::SetLoadedExperts(
     modules_ = std::move(old_modules);
     load_expert_ = std::move(old_load_expert);
     loaded_experts_per_layer_ = old_loaded;
-    ring_slot_bytes_ = old_slot;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ring_slot_bytes_ = old_slot;
+    }
     largest_budget_module_ = old_largest;
     bytes_per_pass_ = old_per_pass;
   };

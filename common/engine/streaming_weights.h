@@ -29,8 +29,11 @@
 // (so SLP computes with exactly the tensors, and the same absorbed W_UK^T, as resident-weights
 // inference) and relocated into device memory at each load.
 //
-// Threads: Acquire/Release/BeginPrefill/EndPrefill are called by one model thread (the engine's).
-// The loader and unloader are this object's own threads.
+// Threads: Acquire/Release/BeginPrefill/EndPrefill/SetRingSlots/SetLoadedExperts are called by
+// one model thread (the engine's), and so are the getters of the plan (modules_per_pass,
+// loaded_experts_per_layer, bytes_per_pass, schedule, ...); ring_slots, ring_slot_bytes,
+// ring_bytes and budget_bytes may be called from any thread. The loader and unloader are this
+// object's own threads.
 
 #include <condition_variable>
 #include <cstddef>
@@ -145,7 +148,7 @@ class StreamingWeights final : public WeightProvider {
   absl::Status SetLoadedExperts(std::function<bool(int64_t layer, int64_t expert)> load_expert);
 
   int64_t ring_slots() const;
-  size_t ring_slot_bytes() const { return ring_slot_bytes_; }
+  size_t ring_slot_bytes() const;
   size_t ring_bytes() const;
   size_t budget_bytes() const { return arena_->capacity_bytes(); }
   // Modules per pass, and the routed experts loaded per layer (the most over the layers).

@@ -752,10 +752,22 @@ TEST(PrefillSchedulerTest, DslpRanksJoinRunAndFailCleanly) {
   j1.dslp = Group(group, 1, 2);
   absl::StatusOr<PrefillOutcome> o0, o1;
   {
+    std::atomic<bool> done{false};
+    // What GetStatus reads while the model thread switches the expert subset and prefills.
+    std::thread status([&] {
+      while (!done.load()) {
+        EXPECT_GT(rig1->runner->weights().ring_slot_bytes(), 0u);
+        EXPECT_GT(rig1->runner->weights().ring_slots(), 0);
+        (void)s1.stats();
+        absl::SleepFor(absl::Microseconds(200));
+      }
+    });
     std::thread t0([&] { o0 = s0.Prefill(j0, nullptr); });
     std::thread t1([&] { o1 = s1.Prefill(j1, nullptr); });
     t0.join();
     t1.join();
+    done = true;
+    status.join();
   }
   ASSERT_TRUE(o0.ok()) << o0.status();
   ASSERT_TRUE(o1.ok()) << o1.status();
