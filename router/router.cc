@@ -491,7 +491,12 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     if (!p.ok()) {
       const absl::Status& s = p.status();
       if (req.inflight->Cancelled()) return CancelledOutcome(req);
-      if (route.path == Path::kDslp && absl::IsUnimplemented(s)) {
+      // UNIMPLEMENTED: a worker without DSLP. INVALID_ARGUMENT on the policy's (not the client's)
+      // choice of DSLP: a prompt these workers cannot split (e.g. a rank's share over their
+      // --max-step-tokens); SLP runs it in several passes, or answers the same error.
+      const bool policy_choice = HintKind(req.proto->path_hint()) == PathHintKind::kAuto;
+      if (route.path == Path::kDslp &&
+          (absl::IsUnimplemented(s) || (absl::IsInvalidArgument(s) && policy_choice))) {
         HMOE_LOG(WARNING) << "req=" << req.id << " DSLP refused (" << s << "); retrying as SLP";
         req.dslp_allowed = false;
         return {true, s};

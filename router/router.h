@@ -14,8 +14,9 @@
 //   DSLP     the same, but every prefill worker of the decision runs the prompt together: each gets
 //            the same PrefillRequest with its DslpGroup rank in a new group (dslp_group_prefix);
 //            rank 0's response carries the first token and the handle. A group that answers
-//            UNIMPLEMENTED is retried as SLP. When the group breaks (a rank's call fails, or a
-//            rank answers ABORTED: its peer died, left or hung), the ranks that are gone are
+//            UNIMPLEMENTED (or INVALID_ARGUMENT, when DSLP was the policy's choice: a prompt the
+//            workers cannot split) is retried as SLP. When the group breaks (a rank's call fails,
+//            or a rank answers ABORTED: its peer died, left or hung), the ranks that are gone are
 //            marked dead, the others cancelled, and the attempt ends UNAVAILABLE naming the
 //            rank's worker; the retry (if any) forms a new group of the live workers.
 // Whatever fails after a prefill, the hand-off buffer is released. Per-request timing (queue, TTFT,

@@ -294,6 +294,29 @@ TEST_F(RouterPrefillTest, DslpRefusedAsUnimplementedIsRetriedAsSlp) {
   EXPECT_EQ(registry_.Find("p1")->state, WorkerState::kLive);
 }
 
+// A prompt the workers cannot split (INVALID_ARGUMENT from the ranks, e.g. a rank's share beyond
+// their --max-step-tokens) is retried as SLP when DSLP was the policy's choice, and relayed when
+// the client asked for DSLP.
+TEST_F(RouterPrefillTest, DslpPromptTheWorkersCannotSplitIsRetriedAsSlp) {
+  Start();
+  AddDecode("d0", "cuda:0", {.tokens = {31}});
+  const absl::Status split = absl::InvalidArgumentError("prompt_token_ids: 40 tokens over 2 ranks");
+  AddPrefill("p0", "cuda:0", {.first_token = 11, .dslp_status = split});
+  AddPrefill("p1", "cuda:1", {.first_token = 12, .dslp_status = split});
+  Sink sink;
+  ASSERT_TRUE(Generate(Request("split", 40), &sink).ok());
+  EXPECT_EQ(sink.finished().timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(sink.finished().timing().attempts(), 2);
+  v1::GenerateRequest hinted = Request("hinted-split", 40);
+  hinted.set_path_hint(v1::PATH_HINT_DSLP);
+  Sink sink2;
+  const absl::Status s = Generate(hinted, &sink2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "40 tokens over 2 ranks")) << s;
+  EXPECT_EQ(registry_.Find("p0")->state, WorkerState::kLive);
+  EXPECT_EQ(registry_.Find("p1")->state, WorkerState::kLive);
+}
+
 TEST_F(RouterPrefillTest, DslpHintWhenDslpIsRefusedIsFailedPrecondition) {
   Start();
   AddDecode("d0", "cuda:0", {.tokens = {31}});
