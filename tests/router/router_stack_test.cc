@@ -379,14 +379,17 @@ class Stack {
     d.stderr_path = s->run_ + "/decode.log";
     if (!s->Spawn(std::move(d), &s->decode_)) return nullptr;
 
+    s->tag_ = tag;
     for (int i = 0; i < prefill_workers; ++i) {
       ChildOptions p;
-      const std::string id = absl::StrCat("prefill-", i);
+      // Worker ids unique to the stack: a prefill worker removes the hand-off segments of its id
+      // at start-up (hmoe-kv-<id>-*), and stacks of this test may run at the same time.
+      const std::string id = s->PrefillId(i);
       p.argv = {kPrefill,
                 "--weightd-instance",
                 s->instance_,
                 "--socket",
-                absl::StrCat(s->run_, "/", id, ".sock"),
+                absl::StrCat(s->run_, "/prefill-", i, ".sock"),
                 "--device",
                 "cpu",
                 "--router",
@@ -396,7 +399,7 @@ class Stack {
                 "--drain-seconds",
                 "5"};
       p.argv.insert(p.argv.end(), prefill_flags.begin(), prefill_flags.end());
-      p.stderr_path = absl::StrCat(s->run_, "/", id, ".log");
+      p.stderr_path = absl::StrCat(s->run_, "/prefill-", i, ".log");
       s->prefill_.emplace_back();
       if (!s->Spawn(std::move(p), &s->prefill_.back())) return nullptr;
     }
@@ -431,6 +434,7 @@ class Stack {
   ChildProcess& decode() { return *decode_; }
   ChildProcess& router() { return *router_; }
   ChildProcess& prefill(int i) { return *prefill_[i]; }
+  std::string PrefillId(int i) const { return absl::StrCat(tag_, "-prefill-", i); }
   const std::string& run() const { return run_; }
 
   // SIGKILLs prefill worker i and reaps it (the destructor then skips it).
@@ -474,6 +478,7 @@ class Stack {
   }
 
   std::string run_;
+  std::string tag_;
   std::string instance_;
   std::unique_ptr<ChildProcess> weightd_;
   std::unique_ptr<ChildProcess> router_;
@@ -671,7 +676,8 @@ TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext
       << victim.status.error_message();
   EXPECT_TRUE(absl::StrContains(victim.status.error_message(), "DSLP group hmoe-dslp-"))
       << victim.status.error_message();
-  EXPECT_TRUE(absl::StrContains(victim.status.error_message(), "prefill worker prefill-1 (rank"))
+  EXPECT_TRUE(absl::StrContains(victim.status.error_message(),
+                                absl::StrCat("prefill worker ", stack->PrefillId(1), " (rank")))
       << victim.status.error_message();
   EXPECT_TRUE(absl::StrContains(victim.status.error_message(), "is gone"))
       << victim.status.error_message();
@@ -698,15 +704,15 @@ TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext
   bool dead = false;
   const v1::RouterStatus status = stack->client().Status();
   for (const v1::WorkerInfo& w : status.workers()) {
-    if (w.worker_id() == "prefill-1") dead = w.state() == v1::WORKER_STATE_DEAD;
+    if (w.worker_id() == stack->PrefillId(1)) dead = w.state() == v1::WORKER_STATE_DEAD;
   }
   EXPECT_TRUE(dead);
   const Stream next = stack->client().Generate(Greedy("next", prompt, kNew));
   ExpectAgreement(prompt, next, kNew, "after a DSLP rank died");
   EXPECT_EQ(next.finish.timing().path(), v1::PATH_DSLP);
   ASSERT_EQ(next.finish.timing().worker_ids_size(), 3);
-  EXPECT_EQ(next.finish.timing().worker_ids(1), "prefill-0");
-  EXPECT_EQ(next.finish.timing().worker_ids(2), "prefill-2");
+  EXPECT_EQ(next.finish.timing().worker_ids(1), stack->PrefillId(0));
+  EXPECT_EQ(next.finish.timing().worker_ids(2), stack->PrefillId(2));
   const prefill::v1::PrefillStatus p0 = stack->PrefillStatus(0);
   EXPECT_NE(p0.dslp_group_id(), broken_group);
   EXPECT_EQ(p0.dslp_prefills(), 2);
