@@ -1,5 +1,6 @@
 // hmoe-prefill-worker: stream-loading prefill (SLP, paper §3.1) of long prompts on a GPU or the
-// CPU device, handing each prompt's KV cache to the decode worker. See docs/prefill_worker.md.
+// CPU device, alone or as one rank of a DSLP group (paper §3.2), handing each prompt's KV cache
+// to the decode worker. See docs/prefill_worker.md and docs/dslp.md.
 //
 //   hmoe-prefill-worker (--model DIR | --weightd-instance NAME) --socket PATH
 //                       [--device cpu|cuda:N] [--threads N] [--device-memory-mb MB]
@@ -7,6 +8,8 @@
 //                       [--ring-turning-point TOKENS] [--max-prompt-tokens N]
 //                       [--max-step-tokens N] [--kv-export auto|shm|cuda-ipc]
 //                       [--export-timeout-seconds S] [--router ADDR] [--worker-id ID]
+//                       [--dslp-ep-mode small_ep|standard] [--dslp-join-timeout-seconds S]
+//                       [--dslp-peer-timeout-seconds S]
 //
 // Exit codes: 0 after SIGTERM/SIGINT (drained), 1 on a start-up or runtime error, 2 on bad flags.
 
@@ -28,9 +31,11 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "common/base/logging.h"
+#include "common/comm/shm_collective.h"
 #include "common/device/cpu_device.h"
 #include "common/device/cuda_host_register.h"
 #include "common/device/device.h"
+#include "common/dslp/dslp.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/model/model_config.h"
 #include "common/rpc/registry_client.h"
@@ -75,6 +80,12 @@ ABSL_FLAG(std::string, worker_id, "", "worker id for the router and logs (defaul
 ABSL_FLAG(int, heartbeat_ms, 1000, "heartbeat period to the router");
 ABSL_FLAG(double, drain_seconds, 30,
           "on SIGTERM, how long running prefills and unreleased exports may finish");
+ABSL_FLAG(std::string, dslp_ep_mode, "small_ep",
+          "DSLP expert parallelism when the request does not name it: small_ep or standard");
+ABSL_FLAG(double, dslp_join_timeout_seconds, 30,
+          "DSLP: how long a rank waits for the rest of its group to join");
+ABSL_FLAG(double, dslp_peer_timeout_seconds, 5,
+          "DSLP: a peer rank silent this long (no heartbeat) is dead and fails the group");
 
 namespace hmoe::prefill {
 namespace {
@@ -134,6 +145,17 @@ int Run() {
   const double drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   const int heartbeat_ms = absl::GetFlag(FLAGS_heartbeat_ms);
   const int max_waiting = absl::GetFlag(FLAGS_max_waiting);
+  absl::StatusOr<EpMode> ep_mode = ParseEpMode(absl::GetFlag(FLAGS_dslp_ep_mode));
+  if (!ep_mode.ok()) {
+    HMOE_LOG(ERROR) << "--dslp-ep-mode: " << ep_mode.status().message();
+    return kExitBadFlags;
+  }
+  const double dslp_join_timeout = absl::GetFlag(FLAGS_dslp_join_timeout_seconds);
+  const double dslp_peer_timeout = absl::GetFlag(FLAGS_dslp_peer_timeout_seconds);
+  if (dslp_join_timeout <= 0 || dslp_peer_timeout <= 0) {
+    HMOE_LOG(ERROR) << "--dslp-join-timeout-seconds and --dslp-peer-timeout-seconds must be > 0";
+    return kExitBadFlags;
+  }
   SlpRunnerOptions ro;
   ro.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   ro.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
@@ -168,6 +190,11 @@ int Run() {
     HMOE_LOG(WARNING) << "stale kv exports: " << stale.status();
   } else if (*stale > 0) {
     HMOE_LOG(INFO) << "removed " << *stale << " stale kv export(s) " << export_prefix << "*";
+  }
+
+  // --- shared-memory DSLP groups whose ranks all died before the group formed
+  if (absl::StatusOr<int> stale = RemoveStaleShmGroups(); !stale.ok()) {
+    HMOE_LOG(WARNING) << "stale dslp groups: " << stale.status();
   }
 
   // --- weights, device, runner
@@ -229,6 +256,10 @@ int Run() {
   PrefillSchedulerOptions so;
   so.max_waiting = max_waiting;
   so.export_prefix = export_prefix;
+  so.dslp_ep_mode = *ep_mode;
+  so.dslp_join.join_timeout = absl::Seconds(dslp_join_timeout);
+  so.dslp_join.peer_timeout = absl::Seconds(dslp_peer_timeout);
+  so.dslp_join.cuda_ordinal = cuda ? device_spec->ordinal : 0;
   auto scheduler = std::make_unique<PrefillScheduler>(runner->get(), exports.get(), so);
   if (signals.StopRequested()) {
     HMOE_LOG(INFO) << "stopped while starting";
@@ -331,7 +362,8 @@ int main(int argc, char** argv) {
       "cpu|cuda:N] [--threads N] [--device-memory-mb MB] [--copy-gbps G] [--stream-budget-mb MB] "
       "[--ring-slots N] [--ring-turning-point TOKENS] [--max-prompt-tokens N] "
       "[--max-step-tokens N] [--kv-export auto|shm|cuda-ipc] [--export-timeout-seconds S] "
-      "[--router ADDR] [--worker-id ID]");
+      "[--router ADDR] [--worker-id ID] [--dslp-ep-mode small_ep|standard] "
+      "[--dslp-join-timeout-seconds S] [--dslp-peer-timeout-seconds S]");
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   if (positional.size() > 1) {

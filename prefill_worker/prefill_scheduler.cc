@@ -8,6 +8,7 @@
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/comm/shm_collective.h"
 
 namespace hmoe::prefill {
 
@@ -47,7 +48,41 @@ absl::Status PrefillScheduler::Validate(const PrefillJob& job) const {
   }
   SamplingParams sampling = job.sampling;
   sampling.max_new_tokens = 1;
-  return ValidateSamplingParams(sampling);  // InvalidArgument naming the field
+  HMOE_RETURN_IF_ERROR(ValidateSamplingParams(sampling));  // InvalidArgument naming the field
+  if (job.dslp.has_value()) {
+    HMOE_RETURN_IF_ERROR(ValidateDslpGroup(*job.dslp, runner_->device().kind()));
+    HMOE_RETURN_IF_ERROR(runner_->CheckDslpPrompt(n, job.dslp->world_size));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SlpResult> PrefillScheduler::RunDslpJob(Job& job, const std::string& export_name) {
+  const DslpGroupSpec& g = *job.spec.dslp;
+  absl::StatusOr<SlpResult> ran = absl::UnknownError("not run");
+  {
+    absl::StatusOr<std::unique_ptr<Collective>> comm =
+        JoinDslpGroup(g, runner_->device().kind(), options_.dslp_join, job.cancel);
+    if (!comm.ok()) {
+      ran = comm.status();
+    } else {
+      ran = runner_->RunDslp(job.spec.prompt, job.spec.sampling, export_name, job.cancel, **comm,
+                             g.ep_mode_set ? g.ep_mode : options_.dslp_ep_mode);
+    }
+    // The collective goes here: this rank leaves the group (peers still waiting for it fail).
+  }
+  if (ran.ok()) return ran;
+  // A group that never formed may leave its shared-memory object behind (its name is unique to
+  // this request, so removing it cannot hurt a live group), and so may groups whose ranks all
+  // died: clean both up.
+  if (!g.shm_group.empty()) {
+    if (absl::StatusOr<bool> removed = RemoveShmGroup(g.shm_group); !removed.ok()) {
+      HMOE_LOG(WARNING) << "dslp group " << g.group_id << ": " << removed.status();
+    }
+  }
+  if (absl::StatusOr<int> stale = RemoveStaleShmGroups(); !stale.ok()) {
+    HMOE_LOG(WARNING) << "stale dslp groups: " << stale.status();
+  }
+  return GroupFailureStatus(ran.status(), g);
 }
 
 absl::StatusOr<PrefillOutcome> PrefillScheduler::Prefill(PrefillJob spec,
@@ -141,14 +176,16 @@ void PrefillScheduler::ModelLoop() {
     }
     const absl::Time start = absl::Now();
     const std::string& id = job->spec.id;
+    const bool dslp = job->spec.dslp.has_value();
     absl::StatusOr<SlpResult> ran =
-        runner_->Run(job->spec.prompt, job->spec.sampling, export_name, job->cancel);
+        dslp ? RunDslpJob(*job, export_name)
+             : runner_->Run(job->spec.prompt, job->spec.sampling, export_name, job->cancel);
     absl::StatusOr<PrefillOutcome> outcome = absl::UnknownError("not run");
     if (!ran.ok()) outcome = ran.status();
     if (ran.ok()) {
       PrefillOutcome o;
       o.first_token = ran->first_token;
-      o.handle = ran->kv->handle();
+      if (ran->kv != nullptr) o.handle = ran->kv->handle();
       o.prompt_tokens = ran->prompt_tokens;
       o.queue_us = absl::ToInt64Microseconds(start - job->arrival);
       o.prefill_us = ran->prefill_us;
@@ -158,10 +195,28 @@ void PrefillScheduler::ModelLoop() {
       o.peak_device_bytes = static_cast<int64_t>(ran->peak_device_bytes);
       o.ring_slots = ran->ring_slots;
       o.hidden_fraction = ran->streaming.hidden_fraction();
-      const std::string what = ran->kv->description();
+      o.exported = ran->kv != nullptr;
+      if (dslp) {
+        o.dslp_rank = ran->dslp_rank;
+        o.dslp_local_tokens = ran->dslp.local_tokens;
+        o.dslp_bytes_sent = static_cast<int64_t>(ran->dslp.comm.total_sent());
+      }
+      const std::string what = o.exported ? ran->kv->description() : "none (dslp rank > 0)";
       // The export is owned by the table from here on (freed by Release or the timeout).
-      if (absl::Status added = exports_->Add(id, std::move(ran->kv)); !added.ok()) {
+      absl::Status added = absl::OkStatus();
+      if (o.exported) added = exports_->Add(id, std::move(ran->kv));
+      if (!added.ok()) {
         outcome = added;
+      } else if (dslp) {
+        outcome = o;
+        const DslpStats& d = ran->dslp;
+        HMOE_LOG(INFO) << "req=" << id << " dslp group " << job->spec.dslp->group_id << " rank "
+                       << d.rank << "/" << d.world_size << " (" << EpModeName(d.ep_mode)
+                       << "): prefilled " << o.prompt_tokens << " tokens (" << d.local_tokens
+                       << " here) in " << o.prefill_us / 1000 << " ms (queue " << o.queue_us / 1000
+                       << " ms, " << o.bytes_streamed << " weight bytes streamed, "
+                       << d.comm.total_sent() << " bytes sent to peers): first token "
+                       << o.first_token << ", kv " << what;
       } else {
         outcome = o;
         HMOE_LOG(INFO) << "req=" << id << " prefilled " << o.prompt_tokens << " tokens in "
@@ -176,6 +231,10 @@ void PrefillScheduler::ModelLoop() {
       HMOE_LOG(INFO) << "req=" << id << " prefill failed: " << ran.status();
     }
     absl::MutexLock lock(&mu_);
+    if (dslp) {
+      ++stats_.dslp_prefills;
+      stats_.last_dslp_group = job->spec.dslp->group_id;
+    }
     if (outcome.ok()) {
       ++stats_.prefills;
       stats_.prompt_tokens += outcome->prompt_tokens;

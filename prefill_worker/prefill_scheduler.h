@@ -1,7 +1,8 @@
 #pragma once
 
 // First-come-first-served prefill: gRPC handlers submit prompts and wait; one model thread (the
-// owner of the prefill device, STYLE.md §6) runs them one at a time through the SlpRunner and
+// owner of the prefill device, STYLE.md §6) runs them one at a time through the SlpRunner (a
+// DSLP rank's prompt too: the thread joins the request's group, runs its share, and leaves) and
 // hands each finished KV export to the ExportTable. The queue is bounded (ResourceExhausted
 // beyond max_waiting); a queued or running prefill can be cancelled (Cancel RPC, or the caller
 // going away); on shutdown queued prefills fail with Unavailable and the running one is
@@ -13,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +27,7 @@
 
 #include "common/engine/sampler.h"
 #include "common/kv/kv_handoff.h"
+#include "prefill_worker/dslp_group.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/slp_runner.h"
 
@@ -34,6 +37,8 @@ struct PrefillJob {
   std::string id;  // unique among in-flight requests and outstanding exports
   std::vector<int32_t> prompt;
   SamplingParams sampling;
+  // Set: this worker is one rank of a DSLP group (dslp_group.h) and runs SlpRunner::RunDslp.
+  std::optional<DslpGroupSpec> dslp;
 };
 
 // What a finished prefill returns (PrefillResponse).
@@ -49,6 +54,12 @@ struct PrefillOutcome {
   int64_t peak_device_bytes = 0;
   int64_t ring_slots = 0;
   double hidden_fraction = 0;  // of the copy time, behind compute
+  // False for a DSLP rank > 0: no first token (-1) and no hand-off buffer.
+  bool exported = true;
+  // DSLP: this rank, the tokens it held, and the payload bytes it sent to its peers.
+  int dslp_rank = -1;
+  int64_t dslp_local_tokens = 0;
+  int64_t dslp_bytes_sent = 0;
 };
 
 struct PrefillSchedulerOptions {
@@ -58,6 +69,9 @@ struct PrefillSchedulerOptions {
   std::string export_prefix = "hmoe-kv-prefill-";
   // How often a waiting handler checks whether its caller went away.
   absl::Duration poll_interval = absl::Milliseconds(50);
+  // DSLP: joining a group, and the expert-parallel mode of a request that does not name one.
+  DslpJoinOptions dslp_join;
+  EpMode dslp_ep_mode = EpMode::kSmallEp;
 };
 
 struct PrefillSchedulerStats {
@@ -70,6 +84,10 @@ struct PrefillSchedulerStats {
   int64_t cancelled = 0;
   int64_t last_peak_device_bytes = 0;
   int64_t last_ring_slots = 0;
+  // DSLP prefills run as a rank (completed or failed), and the group of the last one ("" before
+  // the first).
+  int64_t dslp_prefills = 0;
+  std::string last_dslp_group;
 };
 
 class PrefillScheduler {
@@ -106,6 +124,9 @@ class PrefillScheduler {
  private:
   struct Job;
   void ModelLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  // One DSLP rank's prefill: joins the group, runs it, leaves; a failure removes what the group
+  // may have left in shared memory and reports a broken group as Aborted (GroupFailureStatus).
+  absl::StatusOr<SlpResult> RunDslpJob(Job& job, const std::string& export_name);
   // Completes `job` with `result` and forgets it. mu_ held.
   void FinishLocked(Job& job, absl::StatusOr<PrefillOutcome> result)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -13,30 +13,52 @@ namespace hmoe::prefill {
 using rpc::ToGrpcStatus;
 
 absl::StatusOr<PrefillJob> JobFromProto(const v1::PrefillRequest& p) {
-  if (p.has_dslp()) {
-    return absl::UnimplementedError(
-        "dslp: distributed stream-loading prefill is not implemented by this worker yet (issue "
-        "#5); send the request without a DSLP group");
-  }
   PrefillJob job;
   job.id = p.request_id();
   job.prompt.assign(p.prompt_token_ids().begin(), p.prompt_token_ids().end());
   rpc::SamplingFromProto(p.sampling(), &job.sampling);
+  if (p.has_dslp()) {
+    const v1::DslpGroup& d = p.dslp();
+    DslpGroupSpec g;
+    g.group_id = d.group_id();
+    g.rank = d.rank();
+    g.world_size = d.world_size();
+    g.shm_group = d.shm_group();
+    g.nccl_unique_id = d.nccl_unique_id();
+    switch (d.ep_mode()) {
+      case v1::EP_MODE_UNSPECIFIED:
+        break;
+      case v1::EP_MODE_STANDARD:
+        g.ep_mode_set = true;
+        g.ep_mode = EpMode::kStandard;
+        break;
+      case v1::EP_MODE_SMALL_EP:
+        g.ep_mode_set = true;
+        g.ep_mode = EpMode::kSmallEp;
+        break;
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("dslp.ep_mode: unknown value ", static_cast<int>(d.ep_mode())));
+    }
+    job.dslp = std::move(g);
+  }
   return job;
 }
 
 v1::PrefillResponse OutcomeToProto(const PrefillOutcome& o, const std::string& worker_id) {
   v1::PrefillResponse r;
   r.set_first_token_id(o.first_token);
-  decode::v1::KvHandle* h = r.mutable_kv_handle();
-  if (o.handle.kind == KvHandleSpec::Kind::kCudaIpc) {
-    h->set_cuda_ipc_handle(o.handle.cuda_ipc_handle);
-    h->set_cuda_device(o.handle.cuda_device);
-  } else {
-    h->set_shm_name(o.handle.shm_name);
+  if (o.exported) {
+    decode::v1::KvHandle* h = r.mutable_kv_handle();
+    if (o.handle.kind == KvHandleSpec::Kind::kCudaIpc) {
+      h->set_cuda_ipc_handle(o.handle.cuda_ipc_handle);
+      h->set_cuda_device(o.handle.cuda_device);
+    } else {
+      h->set_shm_name(o.handle.shm_name);
+    }
+    h->set_num_tokens(o.handle.num_tokens);
+    h->set_layout_version(o.handle.layout_version);
   }
-  h->set_num_tokens(o.handle.num_tokens);
-  h->set_layout_version(o.handle.layout_version);
   r.set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
   v1::PrefillTiming* t = r.mutable_timing();
   t->set_queue_us(o.queue_us);
@@ -45,6 +67,10 @@ v1::PrefillResponse OutcomeToProto(const PrefillOutcome& o, const std::string& w
   t->set_bytes_streamed(o.bytes_streamed);
   t->set_load_wait_us(o.load_wait_us);
   t->set_peak_device_bytes(o.peak_device_bytes);
+  if (o.dslp_rank >= 0) {
+    t->set_dslp_local_tokens(o.dslp_local_tokens);
+    t->set_dslp_bytes_sent(o.dslp_bytes_sent);
+  }
   r.set_worker_id(worker_id);
   return r;
 }
@@ -96,6 +122,8 @@ grpc::Status PrefillServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
   r->set_ring_slots(runner_->weights().ring_slots());
   r->set_ring_slot_bytes(static_cast<int64_t>(runner_->weights().ring_slot_bytes()));
   r->set_last_peak_device_bytes(s.last_peak_device_bytes);
+  r->set_dslp_group_id(s.last_dslp_group);
+  r->set_dslp_prefills(s.dslp_prefills);
   return grpc::Status::OK;
 }
 

@@ -21,10 +21,11 @@ struct PrefillServiceInfo {
   std::string device;
 };
 
-// The scheduler's job for `proto` (no validation beyond the DSLP check: the scheduler validates).
-// Unimplemented for a request with a DSLP group (distributed SLP, issue #5).
+// The scheduler's job for `proto` (no validation beyond the DSLP EP mode: the scheduler
+// validates): a request with a DslpGroup becomes a DSLP rank's job (dslp_group.h).
+// InvalidArgument for an unknown dslp.ep_mode.
 absl::StatusOr<PrefillJob> JobFromProto(const v1::PrefillRequest& proto);
-// The response for a finished prefill.
+// The response for a finished prefill (a DSLP rank > 0: no kv_handle, first_token_id -1).
 v1::PrefillResponse OutcomeToProto(const PrefillOutcome& outcome, const std::string& worker_id);
 
 class PrefillServiceImpl final : public v1::PrefillService::Service {

@@ -156,6 +156,108 @@ absl::StatusOr<std::vector<float>> SlpRunner::RunSteps(KvSequence& seq,
   return logits;
 }
 
+absl::Status SlpRunner::UseExpertsOf(int rank, int world) {
+  if (rank == expert_rank_ && world == expert_world_) return absl::OkStatus();
+  std::function<bool(int64_t, int64_t)> mine;
+  if (world > 1) {
+    const int64_t experts = config_.n_routed_experts;
+    const int64_t begin = FirstExpertOfRank(experts, world, rank);
+    const int64_t end = FirstExpertOfRank(experts, world, rank + 1);
+    mine = [begin, end](int64_t, int64_t e) { return e >= begin && e < end; };
+  }
+  HMOE_RETURN_IF_ERROR(weights_->SetLoadedExperts(std::move(mine)));
+  expert_rank_ = rank;
+  expert_world_ = world;
+  return absl::OkStatus();
+}
+
+void SlpRunner::AbortPrefill() {
+  // Stop the pipeline where it is: the model's stream first, then the loader and unloader.
+  batch_->AbandonStep();
+  if (absl::Status s = batch_->stream().Synchronize(); !s.ok()) {
+    HMOE_LOG(ERROR) << "synchronize after a failed prefill: " << s;
+  }
+  if (auto ended = weights_->EndPrefill(/*abort=*/true); !ended.ok()) {
+    HMOE_LOG(ERROR) << "abort the streaming pipeline: " << ended.status();
+  }
+}
+
+absl::Status SlpRunner::CheckDslpPrompt(int64_t n, int world) const {
+  if (world < 1) return absl::InvalidArgumentError("dslp.world_size: must be >= 1");
+  if (n > max_prompt_tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_token_ids: ", n, " tokens, this worker prefills at most ", max_prompt_tokens_));
+  }
+  if (config_.n_routed_experts > 0 && config_.n_routed_experts < world) {
+    return absl::InvalidArgumentError(absl::StrCat("dslp.world_size: ", world,
+                                                   " ranks for a model with ",
+                                                   config_.n_routed_experts, " routed experts"));
+  }
+  absl::StatusOr<ZigZagPlan> plan = ZigZagPlan::Make(n, world);
+  if (!plan.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids: ", plan.status().message()));
+  }
+  int64_t most = 0;
+  for (int r = 0; r < world; ++r) most = std::max(most, plan->tokens_of(r));
+  if (most > max_step_tokens_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_token_ids: ", n, " tokens over ", world, " ranks give a rank ", most,
+                     " tokens, more than one pass of this worker holds (--max-step-tokens ",
+                     max_step_tokens_, "); DSLP runs a prompt in one pass"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SlpResult> SlpRunner::RunDslp(std::span<const int32_t> prompt,
+                                             const SamplingParams& sampling,
+                                             const std::string& export_name,
+                                             const std::atomic<bool>& cancelled, Collective& comm,
+                                             EpMode ep_mode) {
+  const absl::Time start = absl::Now();
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  const int rank = comm.rank();
+  const int world = comm.world_size();
+  HMOE_RETURN_IF_ERROR(CheckDslpPrompt(n, world));
+  SamplingParams first = sampling;
+  first.max_new_tokens = 1;
+  HMOE_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(first, prompt, {}));
+  HMOE_RETURN_IF_ERROR(UseExpertsOf(rank, world));
+
+  SlpResult result;
+  result.prompt_tokens = n;
+  result.dslp_rank = rank;
+  result.ring_slots = RingSlotsFor(n);
+  if (result.ring_slots > 0) HMOE_RETURN_IF_ERROR(weights_->SetRingSlots(result.ring_slots));
+  device_->ResetPeakBytes();
+  DslpOptions options;
+  options.ep_mode = ep_mode;
+  options.cancelled = &cancelled;
+  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<DslpRank> dslp,
+                        DslpRank::Create(*engine_, comm, options, batch_.get()));
+  HMOE_RETURN_IF_ERROR(weights_->BeginPrefill(1));
+  KvSequence seq = cache_->NewSequence();
+  absl::StatusOr<DslpResult> ran = dslp->Prefill(prompt, seq);
+  if (!ran.ok()) {
+    AbortPrefill();
+    return ran.status();
+  }
+  HMOE_ASSIGN_OR_RETURN(result.streaming, weights_->EndPrefill());
+  result.dslp = dslp->last_stats();
+  if (rank == 0) {
+    HMOE_ASSIGN_OR_RETURN(result.first_token, sampler.Sample(ran->logits));
+    const absl::Time export_start = absl::Now();
+    if (export_kind_ == KvExportKind::kCudaIpc) {
+      HMOE_ASSIGN_OR_RETURN(result.kv, ExportToCudaIpc(*cache_, seq, batch_->stream()));
+    } else {
+      HMOE_ASSIGN_OR_RETURN(result.kv, ExportToShm(*cache_, seq, batch_->stream(), export_name));
+    }
+    result.export_us = Micros(absl::Now() - export_start);
+  }
+  result.prefill_us = Micros(absl::Now() - start);
+  result.peak_device_bytes = device_->peak_bytes_in_use();
+  return result;
+}
+
 absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
                                          const SamplingParams& sampling,
                                          const std::string& export_name,
@@ -169,6 +271,7 @@ absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
   SamplingParams first = sampling;
   first.max_new_tokens = 1;  // the prefill worker samples exactly one token
   HMOE_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(first, prompt, {}));
+  HMOE_RETURN_IF_ERROR(UseExpertsOf(0, 1));  // after a DSLP prefill: every expert again
 
   SlpResult result;
   result.prompt_tokens = n;
@@ -180,14 +283,7 @@ absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
   KvSequence seq = cache_->NewSequence();
   absl::StatusOr<std::vector<float>> logits = RunSteps(seq, prompt, cancelled);
   if (!logits.ok()) {
-    // Stop the pipeline where it is: the model's stream first, then the loader and unloader.
-    batch_->AbandonStep();
-    if (absl::Status s = batch_->stream().Synchronize(); !s.ok()) {
-      HMOE_LOG(ERROR) << "synchronize after a failed prefill: " << s;
-    }
-    if (auto ended = weights_->EndPrefill(/*abort=*/true); !ended.ok()) {
-      HMOE_LOG(ERROR) << "abort the streaming pipeline: " << ended.status();
-    }
+    AbortPrefill();
     return logits.status();
   }
   HMOE_ASSIGN_OR_RETURN(result.streaming, weights_->EndPrefill());

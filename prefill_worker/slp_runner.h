@@ -25,7 +25,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "common/comm/collective.h"
 #include "common/device/device.h"
+#include "common/dslp/dslp.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
@@ -82,6 +84,7 @@ int64_t TurningPointTokens(int64_t experts_per_layer, int64_t experts_per_token,
 
 // One prefill's outcome.
 struct SlpResult {
+  // DSLP ranks > 0: -1 and no export (rank 0 samples and exports the whole prompt's cache).
   int32_t first_token = -1;
   std::unique_ptr<KvExport> kv;
   int64_t prompt_tokens = 0;
@@ -90,6 +93,9 @@ struct SlpResult {
   int64_t ring_slots = 0;
   StreamingStats streaming;
   size_t peak_device_bytes = 0;
+  // DSLP (RunDslp): this rank and its per-layer times and bytes sent; rank -1 for SLP.
+  int dslp_rank = -1;
+  DslpStats dslp;
 };
 
 class SlpRunner {
@@ -114,6 +120,24 @@ class SlpRunner {
   absl::StatusOr<SlpResult> Run(std::span<const int32_t> prompt, const SamplingParams& sampling,
                                 const std::string& export_name, const std::atomic<bool>& cancelled);
 
+  // One rank of a distributed prefill (DSLP, common/dslp) of `prompt` over `comm` (a joined
+  // group: every rank runs the same prompt): the same engine, KV pool and streaming pipeline as
+  // Run, but the provider streams only this rank's routed experts (plus attention, dense and
+  // shared modules and the head), the forward pass is DslpRank's (zig-zag context parallelism,
+  // `ep_mode` expert parallelism) in one pass, and at the end every rank holds the whole
+  // prompt's KV cache: rank 0 samples the first token and exports it as Run does, the other
+  // ranks export nothing. Errors: InvalidArgument (CheckDslpPrompt), the collective's Unavailable
+  // when a peer died or left (the group is broken), Cancelled, and Run's errors.
+  absl::StatusOr<SlpResult> RunDslp(std::span<const int32_t> prompt, const SamplingParams& sampling,
+                                    const std::string& export_name,
+                                    const std::atomic<bool>& cancelled, Collective& comm,
+                                    EpMode ep_mode);
+  // InvalidArgument (naming prompt_token_ids or dslp.world_size) unless a prompt of
+  // `prompt_tokens` tokens can be prefilled by a group of `world_size` ranks of this runner's
+  // size: at least 2 * world_size and at most max_prompt_tokens() tokens, every rank's share
+  // (two zig-zag chunks) within max_step_tokens(), and no more ranks than routed experts.
+  absl::Status CheckDslpPrompt(int64_t prompt_tokens, int world_size) const;
+
   // The ring length Run uses for a prompt of `prompt_tokens` tokens.
   int64_t RingSlotsFor(int64_t prompt_tokens) const;
 
@@ -133,6 +157,10 @@ class SlpRunner {
   // The engine steps of one prompt; the last step's logits.
   absl::StatusOr<std::vector<float>> RunSteps(KvSequence& seq, std::span<const int32_t> prompt,
                                               const std::atomic<bool>& cancelled);
+  // Makes the provider stream the routed experts of `rank` of `world` ranks (all for 1 rank).
+  absl::Status UseExpertsOf(int rank, int world);
+  // After a failed prefill: stops the step and the streaming pipeline where they are.
+  void AbortPrefill();
 
   ModelConfig config_;
   Device* device_ = nullptr;
@@ -145,6 +173,9 @@ class SlpRunner {
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<MicroBatch> batch_;
+  // The expert subset the provider streams: rank expert_rank_ of expert_world_.
+  int expert_rank_ = 0;
+  int expert_world_ = 1;
 };
 
 }  // namespace hmoe::prefill

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,11 @@ ABSL_FLAG(int, max_request_bytes, 4 << 20, "largest accepted request message");
 ABSL_FLAG(int, heartbeat_interval_ms, 1000, "heartbeat period suggested to workers");
 ABSL_FLAG(int, heartbeat_timeout_ms, 3000, "a worker silent this long is dead");
 ABSL_FLAG(int, retry_wait_ms, 5000, "how long a retried request waits for a live decode worker");
+ABSL_FLAG(int, max_dispatch_attempts, 3,
+          "dispatches of a request that has streamed no token yet (the first plus retries after a "
+          "worker failed); 1: no retries");
+ABSL_FLAG(int, dslp_failure_grace_ms, 2000,
+          "when a DSLP rank reports a broken group, how long the other ranks may take to report");
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM, how long in-flight requests may finish");
 ABSL_FLAG(std::string, port_file, "", "write the bound public port here (tests)");
 
@@ -151,7 +157,10 @@ int main(int argc, char** argv) {
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   options.max_prefill_queue = absl::GetFlag(FLAGS_max_prefill_queue);
   options.policy.cpu_devices_shared = absl::GetFlag(FLAGS_cpu_devices_shared);
-  options.dslp_group_prefix = absl::StrCat("hmoe-dslp-", getpid());
+  // DSLP group names: unique to this instance and unpredictable, so neither another router nor
+  // another user can hold the shared-memory name of a group before its ranks create it.
+  options.dslp_group_prefix =
+      absl::StrCat("hmoe-dslp-", getpid(), "-", absl::Hex(std::random_device()(), absl::kZeroPad8));
   if (const std::string ep = absl::GetFlag(FLAGS_dslp_ep_mode); ep == "standard") {
     options.dslp_ep_mode = 1;
   } else if (ep == "small_ep") {
@@ -166,6 +175,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.retry_wait = absl::Milliseconds(absl::GetFlag(FLAGS_retry_wait_ms));
+  options.max_dispatch_attempts = absl::GetFlag(FLAGS_max_dispatch_attempts);
+  options.dslp_failure_grace = absl::Milliseconds(absl::GetFlag(FLAGS_dslp_failure_grace_ms));
+  if (options.max_dispatch_attempts < 1 || options.dslp_failure_grace < absl::ZeroDuration()) {
+    HMOE_LOG(ERROR) << "--max_dispatch_attempts must be >= 1, --dslp_failure_grace_ms >= 0";
+    return 2;
+  }
 
   // Signals are handled by sigwait below; block them before gRPC starts its threads.
   sigset_t signals;

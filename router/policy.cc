@@ -31,6 +31,17 @@ std::vector<std::string> AllIds(const std::vector<WorkerView>& workers) {
   return out;
 }
 
+bool OnCuda(const WorkerView& w) { return w.identity.device.rfind("cuda", 0) == 0; }
+
+// The prefill workers a DSLP group may use: ranks must share the device kind (shared-memory
+// collectives between CPU workers, NCCL between GPU workers), so the larger of the two sets (GPU
+// workers on a tie), in input order.
+std::vector<std::string> DslpCandidates(const std::vector<WorkerView>& prefill) {
+  std::vector<std::string> cuda, cpu;
+  for (const WorkerView& w : prefill) (OnCuda(w) ? cuda : cpu).push_back(w.identity.worker_id);
+  return cuda.size() >= cpu.size() ? cuda : cpu;
+}
+
 }  // namespace
 
 bool SharesDevice(const std::string& a, const std::string& b, const PolicyOptions& options) {
@@ -94,13 +105,18 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
         return absl::FailedPreconditionError(
             "path_hint DSLP: the prefill workers do not implement DSLP");
       }
-      if (in.prefill_workers.size() < 2) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("path_hint DSLP: needs at least 2 live prefill workers, have ",
-                         in.prefill_workers.size()));
+      d.prefill_worker_ids = DslpCandidates(in.prefill_workers);
+      if (d.prefill_worker_ids.size() < 2) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "path_hint DSLP: needs at least 2 live prefill workers on one kind of device, have ",
+            d.prefill_worker_ids.size()));
+      }
+      if (in.prompt_tokens < 2 * static_cast<int64_t>(d.prefill_worker_ids.size())) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "path_hint DSLP: a prompt of ", in.prompt_tokens, " tokens cannot be split over ",
+            d.prefill_worker_ids.size(), " prefill workers (at least 2 tokens per worker)"));
       }
       d.path = Path::kDslp;
-      d.prefill_worker_ids = AllIds(in.prefill_workers);
       return d;
     case PathHintKind::kAuto:
       break;
@@ -114,8 +130,17 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
       !in.decode_active_now && (!in.last_decode_active.has_value() ||
                                 in.now - *in.last_decode_active >= options.decode_idle_window);
   if (decode_idle) {
+    // DSLP over every prefill worker (of one device kind) when there are two or more and the
+    // prompt has at least two tokens per worker (the zig-zag split); else SLP on any of them.
+    const std::vector<std::string> group = DslpCandidates(in.prefill_workers);
+    if (group.size() >= 2 && in.dslp_allowed &&
+        in.prompt_tokens >= 2 * static_cast<int64_t>(group.size())) {
+      d.path = Path::kDslp;
+      d.prefill_worker_ids = group;
+      return d;
+    }
+    d.path = Path::kSlp;
     d.prefill_worker_ids = AllIds(in.prefill_workers);
-    d.path = d.prefill_worker_ids.size() >= 2 && in.dslp_allowed ? Path::kDslp : Path::kSlp;
     return d;
   }
   if (not_sharing.empty()) {

@@ -4,7 +4,9 @@
 // time since a decode request was last active (so it is deterministic and tested with a fake
 // clock):
 //   - prompt < chunk threshold          -> CHUNKED: chunked prefill on the decode worker;
-//   - longer, decode idle for the window -> DSLP over all live prefill workers (SLP when only one);
+//   - longer, decode idle for the window -> DSLP over all live prefill workers (of one device
+//                                           kind: the larger set, GPUs on a tie; SLP when fewer
+//                                           than two, or fewer than 2 prompt tokens per worker);
 //   - longer, decode recently active     -> SLP on the prefill workers that do not share the decode
 //                                           worker's device (equal device strings share; CPU
 //                                           devices share unless cpu_devices_shared is off);

@@ -491,7 +491,12 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     if (!p.ok()) {
       const absl::Status& s = p.status();
       if (req.inflight->Cancelled()) return CancelledOutcome(req);
-      if (route.path == Path::kDslp && absl::IsUnimplemented(s)) {
+      // UNIMPLEMENTED: a worker without DSLP. INVALID_ARGUMENT on the policy's (not the client's)
+      // choice of DSLP: a prompt these workers cannot split (e.g. a rank's share over their
+      // --max-step-tokens); SLP runs it in several passes, or answers the same error.
+      const bool policy_choice = HintKind(req.proto->path_hint()) == PathHintKind::kAuto;
+      if (route.path == Path::kDslp &&
+          (absl::IsUnimplemented(s) || (absl::IsInvalidArgument(s) && policy_choice))) {
         HMOE_LOG(WARNING) << "req=" << req.id << " DSLP refused (" << s << "); retrying as SLP";
         req.dslp_allowed = false;
         return {true, s};
@@ -686,17 +691,46 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   if (world == 1) {
     results[0] = calls[0]->Wait();
   } else {
-    // The ranks wait for each other: the first one to fail cancels the rest.
-    std::vector<std::jthread> waiters;
-    for (int rank = 0; rank < world; ++rank) {
-      waiters.emplace_back([&, rank] {
-        results[rank] = calls[rank]->Wait();
-        if (!results[rank].ok()) {
-          for (auto& c : calls) c->Cancel();
-        }
-      });
-    }
-  }  // joins
+    // The ranks wait for each other. A rank that fails on its own (its call broke: the worker is
+    // gone; or a bad request) gets the others cancelled at once. A rank that reports a broken
+    // group (ABORTED) does not: the others get dslp_failure_grace to report, so the call of the
+    // rank that died fails too and names it; then whatever still runs is cancelled.
+    absl::Mutex m;
+    int done = 0;
+    bool hard = false, broken = false, cancelled_here = false;
+    {
+      std::vector<std::jthread> waiters;
+      for (int rank = 0; rank < world; ++rank) {
+        waiters.emplace_back([&, rank] {
+          absl::StatusOr<pv1::PrefillResponse> r = calls[rank]->Wait();
+          absl::MutexLock lock(&m);
+          if (!r.ok() && absl::IsCancelled(r.status()) && !cancelled_here &&
+              !req.inflight->Cancelled()) {
+            // Nobody cancelled it: gRPC reports a peer killed mid-call this way on unix sockets.
+            r = absl::UnavailableError(
+                absl::StrCat("connection lost (", r.status().message(), ")"));
+          }
+          if (!r.ok()) (absl::IsAborted(r.status()) ? broken : hard) = true;
+          results[rank] = std::move(r);
+          ++done;
+        });
+      }
+      bool cancel = false;
+      {
+        absl::MutexLock lock(&m);
+        const auto settled = [&] { return done == world || hard || broken; };
+        const auto finished = [&] { return done == world || hard; };
+        m.Await(absl::Condition(&settled));
+        if (!finished())
+          m.AwaitWithTimeout(absl::Condition(&finished), options_.dslp_failure_grace);
+        cancel = done < world;
+        cancelled_here = cancel;
+      }
+      if (cancel) {
+        for (auto& c : calls) c->Cancel();
+      }
+    }  // joins the waiters
+  }
 
   Prefilled p;
   p.prefill_request_id = base.request_id();
@@ -704,16 +738,39 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   for (int rank = 0; rank < world; ++rank) {
     if (results[rank].ok() && results[rank]->has_kv_handle()) p.exports.push_back(workers[rank]);
   }
-  // The first failure that is not the cancellation of a peer explains the outcome.
+  // What explains a failure: a rank that failed on its own (for DSLP, a broken call means that
+  // worker is gone), else a rank reporting a broken group (ABORTED), else a cancellation.
+  auto severity = [](const absl::Status& s) {
+    return s.ok() ? 0 : absl::IsCancelled(s) ? 1 : absl::IsAborted(s) ? 2 : 3;
+  };
   const absl::Status* error = nullptr;
   int error_rank = -1;
   for (int rank = 0; rank < world; ++rank) {
     const absl::Status& s = results[rank].status();
-    if (s.ok()) continue;
-    if (error == nullptr || (absl::IsCancelled(*error) && !absl::IsCancelled(s))) {
+    if (!s.ok() && (error == nullptr || severity(s) > severity(*error))) {
       error = &s;
       error_rank = rank;
     }
+  }
+  if (error != nullptr && dslp) {
+    ReleaseHandoff(p, req.id);
+    const WorkerView& w = workers[error_rank];
+    const std::string rank_of = absl::StrCat("prefill worker ", w.identity.worker_id, " (rank ",
+                                             error_rank, " of ", world, ")");
+    if (req.inflight->Cancelled() || absl::IsCancelled(*error)) {
+      return absl::Status(error->code(), absl::StrCat(rank_of, ": ", error->message()));
+    }
+    if (absl::IsAborted(*error)) {
+      // Every rank that answered reports a broken group; none is known to be gone.
+      return absl::UnavailableError(absl::StrCat("DSLP group ", group, " failed: ", rank_of,
+                                                 " reported: ", error->message()));
+    }
+    if (IsWorkerDown(*error, /*cancelled_by_us=*/false)) {
+      registry_->MarkDead(w.identity.worker_id, w.incarnation);
+      return absl::UnavailableError(absl::StrCat("DSLP group ", group, " failed: ", rank_of,
+                                                 " is gone (", error->ToString(), ")"));
+    }
+    return absl::Status(error->code(), absl::StrCat(rank_of, ": ", error->message()));
   }
   if (error == nullptr && !results[0]->has_kv_handle()) {
     ReleaseHandoff(p, req.id);

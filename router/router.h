@@ -12,8 +12,13 @@
 //            import (KvImported), calls Release on the prefill worker; it streams the first token
 //            at that acknowledgement, then the decode worker's tokens;
 //   DSLP     the same, but every prefill worker of the decision runs the prompt together: each gets
-//            the same PrefillRequest with its DslpGroup rank; rank 0's response carries the first
-//            token and the handle. A group that answers UNIMPLEMENTED is retried as SLP.
+//            the same PrefillRequest with its DslpGroup rank in a new group (dslp_group_prefix);
+//            rank 0's response carries the first token and the handle. A group that answers
+//            UNIMPLEMENTED (or INVALID_ARGUMENT, when DSLP was the policy's choice: a prompt the
+//            workers cannot split) is retried as SLP. When the group breaks (a rank's call fails,
+//            or a rank answers ABORTED: its peer died, left or hung), the ranks that are gone are
+//            marked dead, the others cancelled, and the attempt ends UNAVAILABLE naming the
+//            rank's worker; the retry (if any) forms a new group of the live workers.
 // Whatever fails after a prefill, the hand-off buffer is released. Per-request timing (queue, TTFT,
 // TPOT, path, workers, attempts) ends the stream.
 //
@@ -69,10 +74,17 @@ struct RouterOptions {
   int32_t max_inflight = 256;
   // Long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond.
   int32_t max_prefill_queue = 64;
-  // DSLP groups: the shared-memory group names are "<dslp_group_prefix>-<n>" (unique per run).
+  // DSLP groups: every DSLP dispatch forms a new group named "<dslp_group_prefix>-<n>" (its
+  // DslpGroup.group_id and shm_group; n counts this router's groups), so a group whose member
+  // died is never joined again. hmoe-router makes the prefix unique per instance and
+  // unpredictable ("hmoe-dslp-<pid>-<random>"), so no other router or user can take the name.
   std::string dslp_group_prefix = "hmoe-dslp";
   // DslpGroup.ep_mode sent to the ranks (EP_MODE_UNSPECIFIED: the workers' default).
   int32_t dslp_ep_mode = 0;
+  // When a DSLP rank reports a broken group (ABORTED: a peer died, left or hung), how long the
+  // other ranks may take to report too before they are cancelled (the rank that is gone shows up
+  // as a failed call, which identifies it); any other failure cancels them at once.
+  absl::Duration dslp_failure_grace = absl::Seconds(2);
   // Deadline of a Release call to a prefill worker.
   absl::Duration release_timeout = absl::Seconds(5);
   // Dispatches of one request (the first plus retries while no token was streamed).

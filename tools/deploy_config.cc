@@ -3,11 +3,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <system_error>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -130,6 +132,12 @@ absl::StatusOr<DeployOptions> Resolve(DeployOptions o) {
     }
   }
   if (o.listen.empty()) return absl::InvalidArgumentError("--listen: empty");
+  if (!o.dslp_ep_mode.empty() && o.dslp_ep_mode != "standard" && o.dslp_ep_mode != "small_ep") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dslp-ep-mode: \"", o.dslp_ep_mode, "\" is not standard or small_ep"));
+  }
+  if (o.cpus < 0) return absl::InvalidArgumentError("--cpus: must be >= 0");
+  if (o.cpus == 0) o.cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   HMOE_RETURN_IF_ERROR(CheckArgs("--listen", {o.listen}));
   o.model_dir = Absolute(o.model_dir);
   o.out_dir = Absolute(o.out_dir);
@@ -218,6 +226,11 @@ std::string RenderSupervisordConf(const DeployOptions& o) {
                                         id,
                                         "--drain-seconds",
                                         drain};
+    if (o.gpus == 0 && o.prefill_workers >= 2) {
+      // The ranks of a DSLP group compute at the same time: share the cores, do not pin.
+      prefill.push_back(absl::StrCat("--threads=", std::max(1, o.cpus / o.prefill_workers)));
+      prefill.push_back("--pin-threads=false");
+    }
     prefill.insert(prefill.end(), o.prefill_args.begin(), o.prefill_args.end());
     AppendProgram(&out, o, id, 20, AfterWeightd(o, prefill), "");
   }
@@ -241,6 +254,7 @@ std::string RenderSupervisordConf(const DeployOptions& o) {
   std::vector<std::string> router = {o.bin.router,        "--listen",        o.listen,
                                      "--model",           o.model_dir,       "--registry-socket",
                                      Socket(o, "router"), "--drain-seconds", drain};
+  if (!o.dslp_ep_mode.empty()) router.push_back("--dslp-ep-mode=" + o.dslp_ep_mode);
   router.insert(router.end(), o.router_args.begin(), o.router_args.end());
   AppendProgram(&out, o, "router", 40, Join(router), "");
   return out;

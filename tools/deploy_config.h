@@ -3,6 +3,7 @@
 // The supervisord configuration of one node (deploy/README.md), written by `hmoe deploy`:
 //   weightd        priority 10: loads the checkpoint into shared memory once;
 //   prefill-<i>    priority 20: one prefill worker per GPU (or --prefill-workers on the CPU);
+//                  two or more of them run long prompts together as a DSLP group (docs/dslp.md);
 //   decode         priority 30: the decode worker;
 //   router         priority 40: the public API.
 // supervisord starts programs in priority order but does not wait for readiness, so each worker's
@@ -44,7 +45,15 @@ struct DeployOptions {
   // 0: everything on the CPU.
   int gpus = 0;
   // Prefill workers. -1: one per GPU; with no GPU, one CPU prefill worker when the binary exists.
+  // Two or more form DSLP groups (the router's policy, when decode is idle).
   int prefill_workers = -1;
+  // DSLP expert parallelism the router asks for: "" (the workers' default, small_ep), "standard"
+  // or "small_ep" (hmoe-router --dslp-ep-mode).
+  std::string dslp_ep_mode;
+  // CPU cores of the node for the CPU prefill workers (0: std::thread::hardware_concurrency()).
+  // Two or more CPU prefill workers run a DSLP group's ranks at the same time, so each gets
+  // --threads cpus / N, unpinned (their pools would otherwise pin to the same cores).
+  int cpus = 0;
   // weightd instance name (shared-memory names).
   std::string instance = "hmoe";
   // The router's public address.

@@ -69,6 +69,11 @@ ABSL_FLAG(std::string, weightd_args, "", "deploy: extra hmoe-weightd flags (spac
 ABSL_FLAG(std::string, prefill_args, "", "deploy: extra hmoe-prefill-worker flags");
 ABSL_FLAG(std::string, decode_args, "", "deploy: extra hmoe-decode-worker flags");
 ABSL_FLAG(std::string, router_args, "", "deploy: extra hmoe-router flags");
+ABSL_FLAG(std::string, dslp_ep_mode, "",
+          "deploy: DSLP expert parallelism across the prefill workers: standard or small_ep "
+          "(default: the workers' default, small_ep)");
+ABSL_FLAG(int, cpus, 0,
+          "deploy: CPU cores shared by two or more CPU prefill workers (0: this machine's)");
 
 namespace {
 
@@ -156,6 +161,8 @@ int Deploy(const char* argv0) {
   o.prefill_args = SplitArgs(absl::GetFlag(FLAGS_prefill_args));
   o.decode_args = SplitArgs(absl::GetFlag(FLAGS_decode_args));
   o.router_args = SplitArgs(absl::GetFlag(FLAGS_router_args));
+  o.dslp_ep_mode = absl::GetFlag(FLAGS_dslp_ep_mode);
+  o.cpus = absl::GetFlag(FLAGS_cpus);
   std::vector<std::string> search;
   if (!absl::GetFlag(FLAGS_bin_dir).empty()) {
     search.push_back(absl::GetFlag(FLAGS_bin_dir));

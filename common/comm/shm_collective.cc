@@ -1,5 +1,6 @@
 #include "common/comm/shm_collective.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include <new>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -38,12 +40,13 @@ constexpr int kMaxWorldSize = 1024;
 // Why a group failed (ShmHeader::failure).
 enum FailureReason : uint64_t {
   kNoFailure = 0,
-  kDied = 1,      // the process is gone (or a zombie)
-  kLeft = 2,      // destroyed its ShmCollective while others needed it
-  kHung = 3,      // heartbeat older than peer_timeout
-  kMismatch = 4,  // ranks called different collectives
-  kTimeout = 5,   // op_timeout expired
-  kJoin = 6,      // the group did not form
+  kDied = 1,       // the process is gone (or a zombie)
+  kLeft = 2,       // destroyed its ShmCollective while others needed it
+  kHung = 3,       // heartbeat older than peer_timeout
+  kMismatch = 4,   // ranks called different collectives
+  kTimeout = 5,    // op_timeout expired
+  kJoin = 6,       // the group did not form
+  kCancelled = 7,  // its caller cancelled (ShmCollectiveOptions::cancelled)
 };
 
 const char* ReasonText(uint64_t reason) {
@@ -60,6 +63,8 @@ const char* ReasonText(uint64_t reason) {
       return "timed out in a collective";
     case kJoin:
       return "did not join";
+    case kCancelled:
+      return "gave up (cancelled)";
     default:
       return "failed";
   }
@@ -230,6 +235,57 @@ std::string ShmGroupObjectName(absl::string_view group_name) {
   return absl::StrCat("/hmoe.comm.", group_name);
 }
 
+absl::StatusOr<bool> RemoveShmGroup(absl::string_view group_name) {
+  HMOE_RETURN_IF_ERROR(ValidateShmGroupName(group_name));
+  const std::string name = ShmGroupObjectName(group_name);
+  if (::shm_unlink(name.c_str()) == 0) return true;
+  if (errno == ENOENT) return false;
+  return absl::InternalError(ErrnoText("shm_unlink", name));
+}
+
+absl::StatusOr<int> RemoveStaleShmGroups() {
+  constexpr char kDir[] = "/dev/shm";
+  constexpr absl::string_view kPrefix = "hmoe.comm.";
+  // An object whose creator never published the header (it died between creating and
+  // initializing it) is stale once it is this old.
+  constexpr int64_t kUninitializedGraceSeconds = 60;
+  DIR* dir = ::opendir(kDir);
+  if (dir == nullptr) return absl::InternalError(ErrnoText("opendir", kDir));
+  int removed = 0;
+  while (const dirent* entry = ::readdir(dir)) {
+    const absl::string_view file = entry->d_name;
+    if (!absl::StartsWith(file, kPrefix)) continue;
+    const std::string name = absl::StrCat("/", file);
+    const int fd = ::shm_open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0);
+    if (fd < 0) continue;  // gone meanwhile, or not ours to open
+    struct stat st;
+    bool stale = false;
+    if (::fstat(fd, &st) == 0 && st.st_uid == ::geteuid()) {
+      if (static_cast<size_t>(st.st_size) >= sizeof(ShmHeader)) {
+        void* p = ::mmap(nullptr, sizeof(ShmHeader), PROT_READ, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) {
+          const auto* h = static_cast<const ShmHeader*>(p);
+          if (h->magic.load(std::memory_order_acquire) == kMagic) {
+            stale = !ProcessAlive(h->creator_pid);
+          } else {
+            stale = ::time(nullptr) - st.st_mtime > kUninitializedGraceSeconds;
+          }
+          ::munmap(p, sizeof(ShmHeader));
+        }
+      } else {
+        stale = ::time(nullptr) - st.st_mtime > kUninitializedGraceSeconds;
+      }
+    }
+    ::close(fd);
+    if (stale && ::shm_unlink(name.c_str()) == 0) {
+      HMOE_LOG(INFO) << "removed the stale shm group object /dev/shm/" << file;
+      ++removed;
+    }
+  }
+  ::closedir(dir);
+  return removed;
+}
+
 // ---------------------------------------------------------------------------------- transfers
 
 // One message of a collective to or from `peer`: a 16-byte header then `bytes` of payload.
@@ -319,6 +375,10 @@ absl::StatusOr<std::unique_ptr<ShmCollective>> ShmCollective::Create(
     h->magic.store(kMagic, std::memory_order_release);
   } else {
     while (true) {
+      if (o.cancelled && o.cancelled()) {
+        return absl::CancelledError(
+            absl::StrCat("shm group ", o.group_name, ": cancelled while joining"));
+      }
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(
             absl::StrCat("shm group ", o.group_name, ": rank 0 did not create ", name, " within ",
@@ -419,6 +479,11 @@ absl::Status ShmCollective::Join(absl::Time deadline) {
         FailGroup(p, state == kSlotDeparted ? kLeft : kDied);
         return GroupFailure();
       }
+    }
+    if (options_.cancelled && options_.cancelled()) {
+      FailGroup(rank_, kCancelled);
+      return absl::CancelledError(
+          absl::StrCat("shm group ", options_.group_name, ": cancelled while joining"));
     }
     if (absl::Now() > deadline) {
       std::string missing;
@@ -636,6 +701,11 @@ absl::Status ShmCollective::Exchange(std::vector<Transfer>& sends, std::vector<T
       return GroupFailure();
     }
     rechecked = false;
+    if (options_.cancelled && options_.cancelled()) {
+      FailGroup(rank_, kCancelled);
+      return absl::CancelledError(
+          absl::StrCat("shm group ", options_.group_name, ": collective #", seq, " cancelled"));
+    }
     if (absl::Now() > deadline) {
       FailGroup(rank_, kTimeout);
       return absl::DeadlineExceededError(

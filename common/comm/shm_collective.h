@@ -30,6 +30,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stop_token>
 #include <string>
@@ -62,12 +63,29 @@ struct ShmCollectiveOptions {
   absl::Duration poll_interval = absl::Milliseconds(20);
   // Bound of one collective; infinite: none (dead peers are still detected).
   absl::Duration op_timeout = absl::InfiniteDuration();
+  // When set, polled while Create waits for the group to form and while a collective waits for
+  // its peers (at least every poll_interval): once it returns true, Create returns Cancelled, and
+  // so does the collective, which fails the group (the peers' collectives return Unavailable:
+  // "rank r gave up (cancelled)"). For a request the caller cancels while its peers still run.
+  std::function<bool()> cancelled;
 };
 
 // InvalidArgument unless `name` matches [A-Za-z0-9_.-]{1,200}.
 absl::Status ValidateShmGroupName(absl::string_view name);
 // "/hmoe.comm.<group_name>" (the shm_open name).
 std::string ShmGroupObjectName(absl::string_view group_name);
+
+// Removes the shared-memory object of group `group_name` if it still exists (a group that never
+// formed: a rank that died before every rank attached leaves it behind). Harmless for a group
+// that formed (its name is already gone); breaks a group still forming (the ranks that have not
+// attached yet time out), so call it only for a group that failed. Returns whether an object was
+// removed; InvalidArgument for a bad name, Internal for other errors than "not there".
+absl::StatusOr<bool> RemoveShmGroup(absl::string_view group_name);
+
+// Removes every /dev/shm/hmoe.comm.* object of this user whose creator (rank 0) is dead: left by
+// groups whose ranks all died before the group formed. Objects of other users, of live creators
+// and objects still being initialized are kept. Returns how many were removed.
+absl::StatusOr<int> RemoveStaleShmGroups();
 
 class ShmCollective final : public Collective {
  public:

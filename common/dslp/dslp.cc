@@ -155,12 +155,17 @@ class DslpRank::Impl final : public DistributedHooks {
     expert_end_ = FirstExpertOfRank(num_experts_, world_, rank_ + 1);
   }
 
-  absl::Status Init() {
+  absl::Status Init(MicroBatch* batch) {
     if (num_experts_ > 0 && num_experts_ < world_) {
       return absl::InvalidArgumentError(absl::StrCat(
           "dslp: ", num_experts_, " routed experts cannot be split over ", world_, " ranks"));
     }
-    HMOE_ASSIGN_OR_RETURN(batch_, engine_.NewMicroBatch());
+    if (batch != nullptr) {
+      batch_ = batch;
+      return absl::OkStatus();
+    }
+    HMOE_ASSIGN_OR_RETURN(owned_batch_, engine_.NewMicroBatch());
+    batch_ = owned_batch_.get();
     return absl::OkStatus();
   }
 
@@ -208,7 +213,8 @@ class DslpRank::Impl final : public DistributedHooks {
   const int rank_;
   const int world_;
   int64_t hidden_ = 0, num_experts_ = 0, top_k_ = 0, expert_begin_ = 0, expert_end_ = 0;
-  std::unique_ptr<MicroBatch> batch_;
+  std::unique_ptr<MicroBatch> owned_batch_;
+  MicroBatch* batch_ = nullptr;
 
   // The current prefill.
   std::optional<ZigZagPlan> plan_;
@@ -241,6 +247,7 @@ absl::StatusOr<DslpResult> DslpRank::Impl::Prefill(std::span<const int32_t> prom
   absl::Status s = Run(prompt, sequence, &result);
   plan_.reset();
   if (!s.ok()) {
+    batch_->AbandonStep();
     sequence.Reset();
     return s;
   }
@@ -317,6 +324,10 @@ absl::Status DslpRank::Impl::Run(std::span<const int32_t> prompt, KvSequence& se
   }
 
   for (int64_t l = 0; l < layers; ++l) {
+    // Relaxed: a flag polled between layers; a late sighting only delays the cancel.
+    if (options_.cancelled != nullptr && options_.cancelled->load(std::memory_order_relaxed)) {
+      return absl::CancelledError(absl::StrCat("dslp: prefill cancelled before layer ", l));
+    }
     DslpLayerStats& ls = stats_.layers[l];
     route_s_ = 0;
     moe_s_ = 0;
@@ -754,9 +765,10 @@ DslpRank::DslpRank(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DslpRank::~DslpRank() = default;
 
 absl::StatusOr<std::unique_ptr<DslpRank>> DslpRank::Create(Engine& engine, Collective& comm,
-                                                           const DslpOptions& options) {
+                                                           const DslpOptions& options,
+                                                           MicroBatch* batch) {
   auto impl = std::make_unique<Impl>(engine, comm, options);
-  HMOE_RETURN_IF_ERROR(impl->Init());
+  HMOE_RETURN_IF_ERROR(impl->Init(batch));
   return std::unique_ptr<DslpRank>(new DslpRank(std::move(impl)));
 }
 

@@ -35,6 +35,7 @@
 //
 // Thread-compatibility: a DslpRank is driven by one thread.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -97,6 +98,9 @@ struct DslpOptions {
   std::function<void(int64_t layer, std::span<const int32_t> positions, int64_t top_k,
                      const int32_t* ids)>
       routing_observer;
+  // When set, polled before every layer: once true, Prefill stops with Cancelled (the rank leaves
+  // the step; its peers' next collective fails, see collective.h). Must outlive the rank.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 // Where one layer's time went on this rank (wall seconds on the driving thread) and what it sent.
@@ -145,10 +149,13 @@ struct DslpResult {
 
 class DslpRank {
  public:
-  // `engine` and `comm` must outlive the rank. InvalidArgument when the engine's model has fewer
-  // routed experts than ranks.
+  // `engine` and `comm` must outlive the rank. `batch`: a MicroBatch of `engine` the rank drives
+  // (e.g. the one a prefill worker already owns, so no second step scratch is allocated); null:
+  // the rank allocates its own. It must outlive the rank and be idle between prefills.
+  // InvalidArgument when the engine's model has fewer routed experts than ranks.
   static absl::StatusOr<std::unique_ptr<DslpRank>> Create(Engine& engine, Collective& comm,
-                                                          const DslpOptions& options = {});
+                                                          const DslpOptions& options = {},
+                                                          MicroBatch* batch = nullptr);
   ~DslpRank();
   DslpRank(const DslpRank&) = delete;
   DslpRank& operator=(const DslpRank&) = delete;
@@ -156,8 +163,10 @@ class DslpRank {
   // Prefills `prompt` (the same on every rank) into `sequence` (empty, of a cache on the engine's
   // device): afterwards the sequence holds the whole prompt's KV cache on every rank. Errors: as
   // MicroBatch::BeginDistributedStep, the collective's (Unavailable when a peer died: the group
-  // must re-form), InvalidArgument for a prompt shorter than 2S tokens. On error the sequence is
-  // left empty.
+  // must re-form), InvalidArgument for a prompt shorter than 2S tokens, Cancelled
+  // (DslpOptions::cancelled). On error the step is abandoned and the sequence is left empty;
+  // work may still be enqueued on the batch's stream (synchronize it before reusing what it
+  // reads).
   absl::StatusOr<DslpResult> Prefill(std::span<const int32_t> prompt, KvSequence& sequence);
 
   const DslpStats& last_stats() const;

@@ -121,7 +121,7 @@ struct StreamingWeights::Module {
 };
 
 StreamingWeights::StreamingWeights(const StreamingWeightsOptions& options, Device* device)
-    : options_(options), device_(device) {}
+    : options_(options), device_(device), load_expert_(options.load_expert) {}
 
 StreamingWeights::~StreamingWeights() {
   bool running;
@@ -161,7 +161,8 @@ absl::StatusOr<std::unique_ptr<StreamingWeights>> StreamingWeights::Create(
   // Host views of every module, read in place (a host device: nothing is copied).
   w->host_device_ = NewCpuDevice();
   HMOE_ASSIGN_OR_RETURN(w->host_, ResidentWeights::Create(config, source, *w->host_device_));
-  HMOE_RETURN_IF_ERROR(w->Plan(config));
+  w->config_ = config;
+  HMOE_RETURN_IF_ERROR(w->Plan());
   const size_t budget =
       options.budget_bytes == 0
           ? AlignUp(DefaultStreamBudgetBytes(device.host_accessible(), w->largest_budget_module_,
@@ -191,7 +192,15 @@ absl::StatusOr<std::unique_ptr<StreamingWeights>> StreamingWeights::Create(
   return w;
 }
 
-absl::Status StreamingWeights::Plan(const ModelConfig& c) {
+absl::Status StreamingWeights::Plan() {
+  const ModelConfig& c = config_;
+  modules_.clear();
+  loaded_experts_per_layer_ = 0;
+  size_t slot_bytes = 0;  // published under mu_ at the end (ring_slot_bytes() is thread-safe)
+  largest_budget_module_ = 0;
+  largest_layer_budget_ = 0;
+  std::vector<size_t> layer_budget_bytes(static_cast<size_t>(c.num_hidden_layers), 0);
+  bytes_per_pass_ = 0;
   std::vector<ModuleId> order;
   std::vector<int64_t> loaded_per_layer;
   for (int32_t l = 0; l < static_cast<int32_t>(c.num_hidden_layers); ++l) {
@@ -203,14 +212,13 @@ absl::Status StreamingWeights::Plan(const ModelConfig& c) {
     if (c.n_shared_experts > 0) order.push_back({ModuleKind::kSharedExperts, l, -1});
     int64_t loaded = 0;
     for (int32_t e = 0; e < static_cast<int32_t>(c.n_routed_experts); ++e) {
-      if (options_.load_expert && !options_.load_expert(l, e)) continue;
+      if (load_expert_ && !load_expert_(l, e)) continue;
       order.push_back({ModuleKind::kRoutedExpert, l, e});
       ++loaded;
     }
     loaded_experts_per_layer_ = std::max(loaded_experts_per_layer_, loaded);
   }
   order.push_back({ModuleKind::kHead, -1, -1});
-  std::vector<size_t> layer_budget_bytes(static_cast<size_t>(c.num_hidden_layers), 0);
 
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, host_device_->CreateStream());
   for (const ModuleId& id : order) {
@@ -239,7 +247,7 @@ absl::Status StreamingWeights::Plan(const ModelConfig& c) {
     });
     m->bytes = AlignUp(std::max<size_t>(cursor, 1), kTensorAlignment);
     if (m->ring) {
-      ring_slot_bytes_ = std::max(ring_slot_bytes_, m->bytes);
+      slot_bytes = std::max(slot_bytes, m->bytes);
     } else {
       largest_budget_module_ = std::max(largest_budget_module_, m->bytes);
       if (id.layer >= 0) {
@@ -251,6 +259,8 @@ absl::Status StreamingWeights::Plan(const ModelConfig& c) {
     bytes_per_pass_ += m->copy_bytes;
     modules_.push_back(std::move(m));
   }
+  std::unique_lock<std::mutex> lock(mu_);
+  ring_slot_bytes_ = slot_bytes;
   return absl::OkStatus();
 }
 
@@ -262,6 +272,11 @@ std::vector<ModuleId> StreamingWeights::schedule() const {
   std::vector<ModuleId> out;
   for (const auto& m : modules_) out.push_back(m->id);
   return out;
+}
+
+size_t StreamingWeights::ring_slot_bytes() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return ring_slot_bytes_;
 }
 
 int64_t StreamingWeights::ring_slots() const {
@@ -288,6 +303,80 @@ absl::Status StreamingWeights::SetRingSlots(int64_t slots) {
   if (ring_ != nullptr && ring_->num_slots() == n) return absl::OkStatus();
   ring_.reset();  // free the old ring before allocating the new one
   HMOE_ASSIGN_OR_RETURN(ring_, DeviceRingBuffer::Create(*device_, ring_slot_bytes_, n));
+  return absl::OkStatus();
+}
+
+absl::Status StreamingWeights::SetLoadedExperts(
+    std::function<bool(int64_t layer, int64_t expert)> load_expert) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (running_) {
+      return absl::FailedPreconditionError(
+          "streaming weights: expert subset change during a prefill");
+    }
+    // After EndPrefill both threads go idle; they touch modules_ again only once a prefill runs.
+    cv_.wait(lock, [&] { return !loader_busy_ && !unloader_busy_; });
+  }
+  // Keep the old plan (and its event tuples) in case planning fails.
+  std::vector<std::unique_ptr<Module>> old_modules = std::move(modules_);
+  auto old_load_expert = std::move(load_expert_);
+  const int64_t old_loaded = loaded_experts_per_layer_;
+  const size_t old_layer = largest_layer_budget_;
+  const size_t old_slot = ring_slot_bytes_, old_largest = largest_budget_module_,
+               old_per_pass = bytes_per_pass_;
+  auto restore = [&] {
+    modules_ = std::move(old_modules);
+    load_expert_ = std::move(old_load_expert);
+    loaded_experts_per_layer_ = old_loaded;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ring_slot_bytes_ = old_slot;
+    }
+    largest_budget_module_ = old_largest;
+    largest_layer_budget_ = old_layer;
+    bytes_per_pass_ = old_per_pass;
+  };
+  load_expert_ = std::move(load_expert);
+  if (absl::Status s = Plan(); !s.ok()) {
+    restore();
+    return s;
+  }
+  // Event tuples: reuse the old modules' (creating device events is not free on a GPU); create
+  // the missing ones first, so a failure leaves the old plan in place.
+  std::vector<std::unique_ptr<EventTuple>> fresh;
+  for (size_t i = 2 * old_modules.size(); i < 2 * modules_.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<EventTuple>> t = EventTuple::Create(*device_);
+    if (!t.ok()) {
+      restore();
+      return t.status();
+    }
+    fresh.push_back(*std::move(t));
+  }
+  for (auto& m : old_modules) {
+    fresh.push_back(std::move(m->on));
+    fresh.push_back(std::move(m->off));
+  }
+  old_modules.clear();
+  for (auto& m : modules_) {
+    m->on = std::move(fresh.back());
+    fresh.pop_back();
+    m->off = std::move(fresh.back());
+    fresh.pop_back();
+    m->on->Reset();
+    m->off->Reset();
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  slot_next_seq_.assign(modules_.size(), 0);
+  // The ring keeps its slots; a slot must hold every streamed expert.
+  if (ring_ != nullptr && ring_slot_bytes_ > ring_->slot_bytes()) {
+    const int64_t slots = ring_->num_slots();
+    ring_.reset();  // as SetRingSlots: free before allocating
+    HMOE_ASSIGN_OR_RETURN(ring_, DeviceRingBuffer::Create(*device_, ring_slot_bytes_, slots));
+  } else if (ring_ != nullptr) {
+    ring_slot_bytes_ = ring_->slot_bytes();
+  } else {
+    ring_slot_bytes_ = std::max(ring_slot_bytes_, old_slot);
+  }
   return absl::OkStatus();
 }
 
@@ -368,8 +457,8 @@ absl::StatusOr<const ModuleWeights*> StreamingWeights::Acquire(const ModuleId& i
     }
     m = modules_[seq % modules_.size()].get();
     if (!(m->id == id)) {
-      if (id.kind == ModuleKind::kRoutedExpert && options_.load_expert &&
-          !options_.load_expert(id.layer, id.expert)) {
+      if (id.kind == ModuleKind::kRoutedExpert && load_expert_ &&
+          !load_expert_(id.layer, id.expert)) {
         return absl::FailedPreconditionError(absl::StrCat("streaming weights: ", ModuleName(id),
                                                           " is not streamed by this provider"));
       }

@@ -29,8 +29,11 @@
 // (so SLP computes with exactly the tensors, and the same absorbed W_UK^T, as resident-weights
 // inference) and relocated into device memory at each load.
 //
-// Threads: Acquire/Release/BeginPrefill/EndPrefill are called by one model thread (the engine's).
-// The loader and unloader are this object's own threads.
+// Threads: Acquire/Release/BeginPrefill/EndPrefill/SetRingSlots/SetLoadedExperts are called by
+// one model thread (the engine's), and so are the getters of the plan (modules_per_pass,
+// loaded_experts_per_layer, bytes_per_pass, schedule, ...); ring_slots, ring_slot_bytes,
+// ring_bytes and budget_bytes may be called from any thread. The loader and unloader are this
+// object's own threads.
 
 #include <condition_variable>
 #include <cstddef>
@@ -151,8 +154,15 @@ class StreamingWeights final : public WeightProvider {
   // gone until a later call succeeds).
   absl::Status SetRingSlots(int64_t slots);
 
+  // Changes which routed experts are streamed (StreamingWeightsOptions::load_expert; null: all),
+  // e.g. when a prefill worker becomes another rank of a DSLP group, and re-plans the schedule.
+  // The ring and the arena stay (the ring is re-allocated with its number of slots only if a
+  // newly streamed expert is larger than a slot). FailedPrecondition while a prefill runs;
+  // errors of planning (the provider then streams what it streamed before).
+  absl::Status SetLoadedExperts(std::function<bool(int64_t layer, int64_t expert)> load_expert);
+
   int64_t ring_slots() const;
-  size_t ring_slot_bytes() const { return ring_slot_bytes_; }
+  size_t ring_slot_bytes() const;
   // Device bytes of the experts ring (DeviceRingBuffer::footprint_bytes; 0 without one).
   size_t ring_bytes() const;
   size_t budget_bytes() const { return arena_->capacity_bytes(); }
@@ -172,7 +182,8 @@ class StreamingWeights final : public WeightProvider {
   struct Piece;
   struct Module;
   StreamingWeights(const StreamingWeightsOptions& options, Device* device);
-  absl::Status Plan(const ModelConfig& config);
+  // Builds modules_ for config_ and load_expert_ (the fields derived from it included).
+  absl::Status Plan();
   void LoaderLoop();
   void UnloaderLoop();
   // Loads sequence number `seq` (loader thread).
@@ -189,6 +200,10 @@ class StreamingWeights final : public WeightProvider {
 
   const StreamingWeightsOptions options_;
   Device* const device_;
+  ModelConfig config_;
+  // Which routed experts are streamed (options_.load_expert until SetLoadedExperts). Changed only
+  // while no prefill runs and the loader and unloader are idle.
+  std::function<bool(int64_t layer, int64_t expert)> load_expert_;
   std::unique_ptr<Device> host_device_;           // a CpuDevice for host_ (nothing is allocated)
   std::unique_ptr<ResidentWeights> host_;         // host views of every module (in place)
   std::vector<std::unique_ptr<Module>> modules_;  // one per module of a pass, schedule order

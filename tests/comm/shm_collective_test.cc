@@ -373,6 +373,88 @@ TEST(ShmCollectiveTest, RankZeroReplacesAStaleObjectAndTheGroupForms) {
   EXPECT_FALSE(ObjectExists(group));
 }
 
+// ShmCollectiveOptions::cancelled: a rank waiting to join, or waiting for a peer inside a
+// collective, gives up with Cancelled once it returns true, and its peers' collectives fail with
+// Unavailable naming it.
+TEST(ShmCollectiveTest, CancelledWhileJoiningOrWaitingGivesUpAndFailsThePeers) {
+  // Joining: rank 0 alone, cancelled after 100 ms; the object it created is removed.
+  {
+    const std::string group = UniqueGroup("cancel-join");
+    ShmCollectiveOptions o = Options(group, 0, 2);
+    const absl::Time start = absl::Now();
+    o.cancelled = [start] { return absl::Now() - start > absl::Milliseconds(100); };
+    auto c = ShmCollective::Create(o);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+    EXPECT_FALSE(ObjectExists(group));
+    o.rank = 1;  // waiting for rank 0 to create the object
+    c = ShmCollective::Create(o);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled) << c.status();
+  }
+  // Inside a collective: rank 0 waits for rank 1 (alive, busy for 2 s) and gives up after 200 ms.
+  const std::string group = UniqueGroup("cancel-op");
+  auto exits = ForkRanks(2, [&](int rank) -> int {
+    ShmCollectiveOptions o = Options(group, rank, 2);
+    absl::Time armed = absl::InfiniteFuture();
+    if (rank == 0) o.cancelled = [&armed] { return absl::Now() > armed; };
+    auto c = ShmCollective::Create(o);
+    CHILD_EXPECT(c.ok(), 2, c.status().ToString());
+    CHILD_EXPECT((*c)->Barrier().ok(), 3);
+    if (rank == 0) {
+      armed = absl::Now() + absl::Milliseconds(200);
+      const absl::Time start = absl::Now();
+      const absl::Status s = (*c)->Barrier();
+      CHILD_EXPECT(s.code() == absl::StatusCode::kCancelled, 4, s.ToString());
+      CHILD_EXPECT(absl::Now() - start < absl::Seconds(1), 5);
+      return 0;
+    }
+    absl::SleepFor(absl::Seconds(2));
+    const absl::Status s = (*c)->Barrier();
+    CHILD_EXPECT(s.code() == absl::StatusCode::kUnavailable, 6, s.ToString());
+    CHILD_EXPECT(absl::StrContains(s.message(), "rank 0 gave up (cancelled)"), 7, s.ToString());
+    return 0;
+  });
+  ExpectAllOk(exits);
+}
+
+// Objects of groups whose creator died before the group formed are garbage: RemoveStaleShmGroups
+// removes them and keeps those of live creators; RemoveShmGroup removes one by name.
+TEST(ShmCollectiveTest, StaleObjectsOfDeadCreatorsAreRemoved) {
+  const std::string dead = UniqueGroup("stale-dead");
+  const std::string live = UniqueGroup("stale-live");
+  auto start_rank0 = [](const std::string& group) {
+    return ForkedChild::Start([group] {
+      ShmCollectiveOptions o = Options(group, 0, 2);
+      o.join_timeout = absl::Seconds(30);
+      (void)ShmCollective::Create(o);  // waits for rank 1, who never comes
+      return 0;
+    });
+  };
+  ForkedChild dying = start_rank0(dead);
+  ForkedChild waiting = start_rank0(live);
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while ((!ObjectExists(dead) || !ObjectExists(live)) && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(ObjectExists(dead) && ObjectExists(live));
+  absl::SleepFor(absl::Milliseconds(50));  // both published their headers
+  ::kill(dying.pid(), SIGKILL);
+  EXPECT_EQ(dying.Wait(std::chrono::seconds(5)).signal, SIGKILL);
+  auto removed = RemoveStaleShmGroups();
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_GE(*removed, 1);
+  EXPECT_FALSE(ObjectExists(dead));
+  EXPECT_TRUE(ObjectExists(live));
+  auto by_name = RemoveShmGroup(live);
+  ASSERT_TRUE(by_name.ok()) << by_name.status();
+  EXPECT_TRUE(*by_name);
+  EXPECT_FALSE(ObjectExists(live));
+  by_name = RemoveShmGroup(live);
+  ASSERT_TRUE(by_name.ok());
+  EXPECT_FALSE(*by_name);
+  EXPECT_EQ(RemoveShmGroup("../etc").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ShmCollectiveTest, RejectsBadOptions) {
   ShmCollectiveOptions o = Options("bad/name", 0, 1);
   EXPECT_EQ(ShmCollective::Create(o).status().code(), absl::StatusCode::kInvalidArgument);

@@ -398,6 +398,57 @@ TEST(StreamingWeightsTest, StreamsASubsetOfExpertsWithExactBytes) {
   EXPECT_EQ(stats->modules_loaded, w.modules_per_pass());
 }
 
+// A prefill worker that becomes another DSLP rank changes its expert subset between prefills:
+// the schedule follows (only that rank's experts), a change during a prefill is refused, and back
+// to every expert the provider prefills bit for bit as before (same ring, same arena).
+TEST(StreamingWeightsTest, ExpertSubsetChangesBetweenPrefills) {
+  Model& model = Tiny();
+  const ModelConfig& c = model.checkpoint->config();
+  const std::vector<int32_t> prompt = Prompt();
+  auto rig = SlpRig::Make(model, {.ring_slots = 4, .budget_bytes = 4 << 20});
+  ASSERT_NE(rig, nullptr);
+  StreamingWeights& w = *rig->weights;
+  const PrefillResult before = rig->Run(prompt);
+  const size_t full_pass = w.bytes_per_pass();
+  const size_t ring_bytes = w.ring_bytes();
+  const int64_t e = c.n_routed_experts;
+  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, e / 2}, {e / 3, e}, {e - 1, e}}) {
+    ASSERT_TRUE(w.SetLoadedExperts([begin, end](int64_t, int64_t x) {
+                   return x >= begin && x < end;
+                 }).ok());
+    EXPECT_EQ(w.loaded_experts_per_layer(), end - begin);
+    EXPECT_EQ(w.ring_bytes(), ring_bytes);  // the ring stays
+    EXPECT_LT(w.bytes_per_pass(), full_pass);
+    int64_t experts = 0;
+    for (const ModuleId& id : w.schedule()) {
+      if (id.kind != ModuleKind::kRoutedExpert) continue;
+      ++experts;
+      EXPECT_TRUE(id.expert >= begin && id.expert < end) << ModuleName(id);
+    }
+    EXPECT_EQ(experts, (c.num_hidden_layers - c.first_k_dense_replace) * (end - begin));
+    // One pass of the subset's schedule streams it (what a DSLP rank acquires).
+    auto stream = rig->device->CreateStream();
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(w.BeginPrefill(1).ok());
+    EXPECT_EQ(w.SetLoadedExperts(nullptr).code(), absl::StatusCode::kFailedPrecondition);
+    for (const ModuleId& id : w.schedule()) {
+      ASSERT_TRUE(w.Acquire(id, **stream).ok()) << ModuleName(id);
+      ASSERT_TRUE(w.Release(id, **stream).ok());
+    }
+    auto stats = w.EndPrefill();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->bytes_streamed, static_cast<int64_t>(w.bytes_per_pass()));
+  }
+  ASSERT_TRUE(w.SetLoadedExperts(nullptr).ok());
+  EXPECT_EQ(w.loaded_experts_per_layer(), e);
+  EXPECT_EQ(w.bytes_per_pass(), full_pass);
+  StreamingStats stats;
+  const PrefillResult after = rig->Run(prompt, &stats);
+  EXPECT_EQ(after.logits, before.logits);
+  EXPECT_EQ(after.kv, before.kv);
+  EXPECT_EQ(stats.bytes_streamed, static_cast<int64_t>(full_pass));
+}
+
 // With a bandwidth cap the copies take measurable time; the stats account for them (speed is
 // not asserted: docs/PERFORMANCE.md reports the overlap, measured with hmoe-slp-bench).
 TEST(StreamingWeightsTest, StatsAccountForCappedCopies) {

@@ -230,7 +230,8 @@ TEST_F(PrefillWorkerTest, DecodeWorkerKilledMidImportLeaksNoSegment) {
 }
 
 TEST_F(PrefillWorkerTest, BadRequestsGetTheDocumentedCodes) {
-  auto prefill = StartPrefill("errors", {"--drain-seconds", "0.5"});
+  auto prefill =
+      StartPrefill("errors", {"--drain-seconds", "0.5", "--dslp-join-timeout-seconds", "0.3"});
   ASSERT_NE(prefill, nullptr);
   PrefillClient client(*prefill);
   v1::PrefillResponse resp;
@@ -240,11 +241,20 @@ TEST_F(PrefillWorkerTest, BadRequestsGetTheDocumentedCodes) {
   EXPECT_TRUE(absl::StrContains(s.error_message(), "prompt_token_ids[2]")) << s.error_message();
   EXPECT_EQ(client.Prefill(PrefillRequest("long", Prompt(1001, 1)), &resp).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  // DSLP: a bad group names the field; a group whose other rank never comes is ABORTED (the
+  // group did not form) and leaves no shared-memory object.
   v1::PrefillRequest dslp = PrefillRequest("dslp", Prompt(4, 1));
   dslp.mutable_dslp()->set_world_size(2);
   s = client.Prefill(dslp, &resp);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_TRUE(absl::StrContains(s.error_message(), "dslp")) << s.error_message();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "dslp.group_id")) << s.error_message();
+  const std::string group = absl::StrCat("test-lonely-", ::getpid());
+  dslp.mutable_dslp()->set_group_id(group);
+  dslp.mutable_dslp()->set_shm_group(group);
+  s = client.Prefill(dslp, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "did not form")) << s.error_message();
+  EXPECT_TRUE(ShmWithPrefix("hmoe.comm." + group).empty());
   ASSERT_TRUE(client.Prefill(PrefillRequest("dup", Prompt(4, 1)), &resp).ok());
   EXPECT_EQ(client.Prefill(PrefillRequest("dup", Prompt(4, 1)), &resp).error_code(),
             grpc::StatusCode::ALREADY_EXISTS);
@@ -334,6 +344,8 @@ TEST_F(PrefillWorkerTest, BadFlagsExitNonZeroWithAMessage) {
        1,
        "do not fit"},
       {{"--device", "cuda:0"}, 1, "cuda"},
+      {{"--dslp-ep-mode", "tensor"}, 2, "--dslp-ep-mode"},
+      {{"--dslp-join-timeout-seconds", "0"}, 2, "--dslp-join-timeout-seconds"},
   };
   int i = 0;
   for (const Case& c : cases) {

@@ -2,11 +2,16 @@
 // TSan): the computed ring turning point, KV exports and their table (Release, timeout, stale
 // segments), the SLP runner against the resident-weights engine (first token, sampled and
 // greedy, and the exported KV bytes), and the FCFS scheduler (queue bound, duplicate ids,
-// cancellation, validation, shutdown).
+// cancellation, validation, shutdown), and DSLP ranks: several runners on threads of this process
+// forming shared-memory groups (rank 0's export of the whole prompt against SLP, a rank leaving
+// mid-prefill, groups that never form, cancellation while joining).
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include "common/kv/kv_handoff.h"
+#include "prefill_worker/dslp_group.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/prefill_scheduler.h"
 #include "prefill_worker/prefill_service.h"
@@ -96,7 +102,10 @@ TEST(ExportTableTest, UnreleasedExportsAreFreedAfterTheTimeoutAndOnDestruction) 
     ExportTable table(absl::Milliseconds(100));
     ASSERT_TRUE(table.Add("late", std::make_unique<FakeExport>(&freed)).ok());
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (table.count() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+    // The reaper takes the export out of the table, then frees it outside the lock.
+    while ((table.count() > 0 || freed.load() < 1) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
     EXPECT_EQ(table.count(), 0);
     EXPECT_EQ(table.expired(), 1);
     EXPECT_EQ(freed.load(), 1);
@@ -418,17 +427,395 @@ TEST(PrefillSchedulerTest, BadRequestsNameTheFieldAndShutdownRefusesWork) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field << ": " << s;
     EXPECT_TRUE(absl::StrContains(s.message(), c.field)) << s;
   }
+  // DSLP groups: the proto becomes a rank's job; bad groups name the field.
   v1::PrefillRequest dslp;
   dslp.set_request_id("d");
-  dslp.add_prompt_token_ids(1);
-  dslp.mutable_dslp()->set_world_size(2);
-  EXPECT_EQ(JobFromProto(dslp).status().code(), absl::StatusCode::kUnimplemented);
+  for (int i = 0; i < 10; ++i) dslp.add_prompt_token_ids(i + 1);
+  v1::DslpGroup* g = dslp.mutable_dslp();
+  g->set_group_id("g-1");
+  g->set_rank(1);
+  g->set_world_size(2);
+  g->set_shm_group("g-1");
+  g->set_ep_mode(v1::EP_MODE_STANDARD);
+  absl::StatusOr<PrefillJob> job = JobFromProto(dslp);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(job->dslp.has_value());
+  EXPECT_EQ(job->dslp->rank, 1);
+  EXPECT_EQ(job->dslp->world_size, 2);
+  EXPECT_TRUE(job->dslp->ep_mode_set);
+  EXPECT_EQ(job->dslp->ep_mode, EpMode::kStandard);
+  g->set_ep_mode(static_cast<v1::EpMode>(9));
+  EXPECT_EQ(JobFromProto(dslp).status().code(), absl::StatusCode::kInvalidArgument);
+  struct GroupCase {
+    std::function<void(DslpGroupSpec&, PrefillJob&)> edit;
+    std::string field;
+  };
+  const std::vector<GroupCase> groups = {
+      {[](DslpGroupSpec& d, PrefillJob&) { d.group_id.clear(); }, "dslp.group_id"},
+      {[](DslpGroupSpec& d, PrefillJob&) { d.group_id = "a/b"; }, "dslp.group_id"},
+      {[](DslpGroupSpec& d, PrefillJob&) { d.rank = 2; }, "dslp.rank"},
+      {[](DslpGroupSpec& d, PrefillJob&) { d.world_size = 0; }, "dslp.world_size"},
+      {[](DslpGroupSpec& d, PrefillJob&) { d.world_size = 65; }, "dslp.world_size"},
+      {[](DslpGroupSpec& d, PrefillJob&) { d.shm_group = "../x"; }, "dslp.shm_group"},
+      {[](DslpGroupSpec& d, PrefillJob&) { d.nccl_unique_id = "id"; }, "dslp.nccl_unique_id"},
+      // 2 ranks need at least 4 tokens.
+      {[](DslpGroupSpec&, PrefillJob& j) { j.prompt.resize(3); }, "cannot be split"},
+      // More ranks than the tiny model's routed experts.
+      {[](DslpGroupSpec& d, PrefillJob& j) {
+         d.world_size = 64;
+         j.prompt.assign(200, 5);
+       },
+       "routed experts"},
+  };
+  for (const GroupCase& c : groups) {
+    PrefillJob j = Job("grp", 10);
+    DslpGroupSpec d;
+    d.group_id = "g-1";
+    d.shm_group = "g-1";
+    d.rank = 1;
+    d.world_size = 2;
+    c.edit(d, j);
+    j.dslp = d;
+    const absl::Status s = scheduler.Prefill(j, nullptr).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), c.field)) << s;
+  }
   scheduler.StopAccepting();
   EXPECT_EQ(scheduler.Prefill(Job("late"), nullptr).status().code(),
             absl::StatusCode::kUnavailable);
   EXPECT_TRUE(scheduler.WaitIdle(absl::Now() + absl::Seconds(1)));
   scheduler.Shutdown();
   EXPECT_TRUE(scheduler.stats().draining);
+}
+
+// ---------------------------------------------------------------------------------- DSLP
+
+// Token rows of a DSLP export against SLP's (layer-major, token-major F32 rows): the largest
+// |DSLP - SLP| of a row relative to the RMS of SLP's layer (docs/dslp.md "Numerics": rows within
+// 2 % of the layer RMS; the merged attention differs in F32 rounding order).
+constexpr double kKvRelTolerance = 0.02;
+
+double KvRowError(const std::vector<std::byte>& got_bytes, const std::vector<std::byte>& want_bytes,
+                  int64_t layers) {
+  if (got_bytes.size() != want_bytes.size() || want_bytes.empty()) return 1e9;
+  const size_t n = want_bytes.size() / sizeof(float);
+  std::vector<float> got(n), want(n);
+  std::memcpy(got.data(), got_bytes.data(), got_bytes.size());
+  std::memcpy(want.data(), want_bytes.data(), want_bytes.size());
+  const size_t per_layer = n / layers;
+  double worst = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::vector<float> layer(want.begin() + l * per_layer,
+                                   want.begin() + (l + 1) * per_layer);
+    const double rms = std::max(1e-12, engine_test::Rms(layer));
+    for (size_t i = 0; i < per_layer; ++i) {
+      const size_t k = l * per_layer + i;
+      worst = std::max(worst, std::abs(static_cast<double>(got[k]) - want[k]) / rms);
+    }
+  }
+  return worst;
+}
+
+// Single-worker SLP of `prompt` on a fresh runner of RunnerRig's options (the reference DSLP
+// agrees with: the same KV block size, which the attention's F32 rounding depends on).
+struct SlpPrefill {
+  int32_t first_token = -1;
+  std::vector<std::byte> kv;
+};
+SlpPrefill Slp(std::span<const int32_t> prompt) {
+  SlpPrefill r;
+  auto rig = RunnerRig::Make();
+  if (rig == nullptr) return r;
+  std::atomic<bool> cancelled{false};
+  auto got = rig->runner->Run(prompt, SamplingParams(), UniqueName("slp"), cancelled);
+  EXPECT_TRUE(got.ok()) << got.status();
+  if (!got.ok()) return r;
+  r.first_token = got->first_token;
+  r.kv = ReadExport(got->kv->handle(),
+                    HandoffShapeOf(KvCacheConfig::ForModel(rig->runner->config(), 1, 64)));
+  return r;
+}
+
+DslpGroupSpec Group(const std::string& name, int rank, int world) {
+  DslpGroupSpec g;
+  g.group_id = name;
+  g.shm_group = name;
+  g.rank = rank;
+  g.world_size = world;
+  return g;
+}
+
+bool ShmGroupExists(const std::string& name) {
+  return std::filesystem::exists("/dev/shm/hmoe.comm." + name);
+}
+
+// Forwards to a collective; sets `flag` (the rank's cancel flag) when it enters its N-th
+// collective: the rank gives up mid-prefill, at a point fixed by the test.
+class CancellingCollective final : public Collective {
+ public:
+  CancellingCollective(Collective& inner, int at, std::atomic<bool>* flag)
+      : inner_(inner), at_(at), flag_(flag) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  std::string description() const override { return inner_.description(); }
+  absl::Status AllGatherV(Stream& s, const void* send, void* recv, std::span<const size_t> c,
+                          std::span<const size_t> o) override {
+    Tick();
+    return inner_.AllGatherV(s, send, recv, c, o);
+  }
+  absl::Status AllToAllV(Stream& s, const void* send, std::span<const size_t> sc,
+                         std::span<const size_t> so, void* recv, std::span<const size_t> rc,
+                         std::span<const size_t> ro) override {
+    Tick();
+    return inner_.AllToAllV(s, send, sc, so, recv, rc, ro);
+  }
+  absl::Status RingSendRecv(Stream& s, const void* send, size_t sb, void* recv,
+                            size_t rb) override {
+    Tick();
+    return inner_.RingSendRecv(s, send, sb, recv, rb);
+  }
+  absl::Status AllReduceSum(Stream& s, const float* send, float* recv, size_t count) override {
+    Tick();
+    return inner_.AllReduceSum(s, send, recv, count);
+  }
+  absl::Status Barrier() override {
+    Tick();
+    return inner_.Barrier();
+  }
+  CommCounters counters() const override { return inner_.counters(); }
+  void ResetCounters() override { inner_.ResetCounters(); }
+  int ops() const { return ops_; }
+
+ private:
+  void Tick() {
+    if (++ops_ == at_) flag_->store(true);
+  }
+  Collective& inner_;
+  const int at_;
+  std::atomic<bool>* flag_;
+  int ops_ = 0;
+};
+
+// Every rank of a group on its own runner (its own device, streaming provider and KV pool), each
+// on a thread of this process, as the prefill workers of a node run them.
+struct DslpRanks {
+  std::vector<std::unique_ptr<RunnerRig>> rigs;
+  std::vector<absl::StatusOr<SlpResult>> results;
+
+  static std::unique_ptr<DslpRanks> Make(int world) {
+    auto r = std::make_unique<DslpRanks>();
+    for (int i = 0; i < world; ++i) {
+      r->rigs.push_back(RunnerRig::Make());
+      if (r->rigs.back() == nullptr) return nullptr;
+    }
+    return r;
+  }
+
+  // Runs `prompt` over a new group; results[rank]. With `give_up_at` > 0 the last rank gives up
+  // (its cancel flag turns true) when it enters its give_up_at-th collective.
+  void Run(std::span<const int32_t> prompt, EpMode mode, const std::string& group,
+           int give_up_at = 0) {
+    const int world = static_cast<int>(rigs.size());
+    results.clear();
+    for (int i = 0; i < world; ++i) results.emplace_back(absl::UnknownError("not run"));
+    std::vector<std::atomic<bool>> flags(world);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < world; ++rank) {
+      threads.emplace_back([&, rank] {
+        DslpJoinOptions jo;
+        jo.join_timeout = absl::Seconds(20);
+        jo.peer_timeout = absl::Seconds(5);
+        jo.channel_bytes = 1 << 16;
+        auto comm = JoinDslpGroup(Group(group, rank, world), DeviceKind::kCpu, jo, flags[rank]);
+        if (!comm.ok()) {
+          results[rank] = comm.status();
+          return;
+        }
+        CancellingCollective wrapped(**comm, rank == world - 1 ? give_up_at : 0, &flags[rank]);
+        results[rank] = rigs[rank]->runner->RunDslp(
+            prompt, SamplingParams(), absl::StrCat(group, "-kv"), flags[rank], wrapped, mode);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+};
+
+// Rank 0 of 2 and 3 ranks exports the WHOLE prompt's KV cache (each rank's zig-zag chunks reach
+// it through the ring pass-KV) within the DSLP tolerance of single-worker SLP, with SLP's first
+// token; the other ranks export nothing and stream only their own experts; afterwards the same
+// runners prefill alone again bit for bit like the resident engine (every expert streamed).
+TEST(DslpRunnerTest, RankZeroExportsTheWholePromptLikeSlpInBothEpModes) {
+  const ModelConfig& config = Tiny().checkpoint->config();
+  const KvHandoffShape shape = HandoffShapeOf(KvCacheConfig::ForModel(config, 1, 64));
+  for (int world : {2, 3}) {
+    auto ranks = DslpRanks::Make(world);
+    ASSERT_NE(ranks, nullptr);
+    const size_t full_pass = ranks->rigs[0]->runner->weights().bytes_per_pass();
+    // 45 and 29 tokens: not multiples of 2S.
+    for (int n : {45, 29}) {
+      const std::vector<int32_t> prompt = RandomTokens(n, 7 + n, 1000);
+      const SlpPrefill want = Slp(prompt);
+      for (EpMode mode : {EpMode::kSmallEp, EpMode::kStandard}) {
+        const std::string what = absl::StrCat(world, " ranks, ", n, " tokens, ", EpModeName(mode));
+        ranks->Run(prompt, mode, UniqueName("dslp"));
+        for (int rank = 0; rank < world; ++rank) {
+          absl::StatusOr<SlpResult>& got = ranks->results[rank];
+          ASSERT_TRUE(got.ok()) << what << " rank " << rank << ": " << got.status();
+          EXPECT_EQ(got->dslp_rank, rank);
+          EXPECT_EQ(got->dslp.world_size, world);
+          EXPECT_EQ(got->prompt_tokens, n);
+          EXPECT_GT(got->dslp.comm.total_sent(), 0u) << what;
+          // Attention, shared experts and the head on every rank, routed experts split.
+          EXPECT_LT(got->streaming.bytes_streamed, static_cast<int64_t>(full_pass)) << what;
+          EXPECT_EQ(got->streaming.passes, 1);
+          if (rank > 0) {
+            EXPECT_EQ(got->kv, nullptr) << what;
+            EXPECT_EQ(got->first_token, -1) << what;
+            continue;
+          }
+          ASSERT_NE(got->kv, nullptr) << what;
+          EXPECT_EQ(got->kv->handle().num_tokens, n);
+          EXPECT_EQ(got->first_token, want.first_token) << what;
+          const double err =
+              KvRowError(ReadExport(got->kv->handle(), shape), want.kv, config.num_hidden_layers);
+          EXPECT_LE(err, kKvRelTolerance) << what;
+          RecordProperty(absl::StrCat("kv_rel_error_", world, "_", n, "_", EpModeName(mode)),
+                         absl::StrCat(err));
+        }
+        for (auto& rig : ranks->rigs) {
+          EXPECT_EQ(rig->runner->kv_blocks_free(), rig->runner->kv_blocks_total()) << what;
+        }
+      }
+    }
+    // Alone again: every expert streams, and the result is the resident engine's bit for bit.
+    const std::vector<int32_t> prompt = RandomTokens(33, 5, 1000);
+    std::atomic<bool> cancelled{false};
+    auto alone = ranks->rigs[world - 1]->runner->Run(prompt, SamplingParams(), UniqueName("alone"),
+                                                     cancelled);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_EQ(alone->dslp_rank, -1);
+    EXPECT_EQ(alone->streaming.bytes_streamed, static_cast<int64_t>(full_pass));
+    EXPECT_TRUE(ReadExport(alone->kv->handle(), shape) == Slp(prompt).kv);
+  }
+}
+
+// A rank that gives up mid-prefill breaks the group: its peers fail within the peer timeout
+// (Unavailable naming it, which the scheduler reports as Aborted), nothing stays in the KV pools
+// or in /dev/shm, and the same runners prefill the next prompt in a new group.
+TEST(DslpRunnerTest, ARankLeavingMidPrefillFailsThePeersAndANewGroupServesTheNext) {
+  auto ranks = DslpRanks::Make(2);
+  ASSERT_NE(ranks, nullptr);
+  // Rank 1 gives up in its 6th collective (the barrier, then layer 0's ring step, all-gather and
+  // partial all-to-all, then layer 1's ring step and all-gather): inside layer 1.
+  const std::vector<int32_t> prompt = RandomTokens(40, 3, 1000);
+  const std::string broken = UniqueName("broken");
+  const absl::Time start = absl::Now();
+  ranks->Run(prompt, EpMode::kSmallEp, broken, /*give_up_at=*/6);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(ranks->results[1].status().code(), absl::StatusCode::kCancelled)
+      << ranks->results[1].status();
+  const absl::Status& peer = ranks->results[0].status();
+  EXPECT_EQ(peer.code(), absl::StatusCode::kUnavailable) << peer;
+  EXPECT_TRUE(absl::StrContains(peer.message(), "rank 1")) << peer;
+  const absl::Status reported = GroupFailureStatus(peer, Group(broken, 0, 2));
+  EXPECT_EQ(reported.code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(absl::StrContains(reported.message(), broken)) << reported;
+  EXPECT_EQ(GroupFailureStatus(absl::InvalidArgumentError("x"), Group(broken, 0, 2)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ShmGroupExists(broken));
+  for (auto& rig : ranks->rigs) {
+    EXPECT_EQ(rig->runner->kv_blocks_free(), rig->runner->kv_blocks_total());
+  }
+  ranks->Run(prompt, EpMode::kSmallEp, UniqueName("reformed"));
+  ASSERT_TRUE(ranks->results[0].ok()) << ranks->results[0].status();
+  ASSERT_TRUE(ranks->results[1].ok()) << ranks->results[1].status();
+  EXPECT_EQ(ranks->results[0]->first_token, Slp(prompt).first_token);
+}
+
+// Through the scheduler (what the gRPC service calls): rank 0's outcome carries the hand-off,
+// rank 1's none; a group that never forms (the other rank never comes) is Aborted after the join
+// timeout and leaves no shared-memory object; a cancel while joining ends at once.
+TEST(PrefillSchedulerTest, DslpRanksJoinRunAndFailCleanly) {
+  auto rig0 = RunnerRig::Make();
+  auto rig1 = RunnerRig::Make();
+  ASSERT_NE(rig0, nullptr);
+  ASSERT_NE(rig1, nullptr);
+  ExportTable exports0(absl::Minutes(5)), exports1(absl::Minutes(5));
+  PrefillSchedulerOptions o = SchedulerOptions(4);
+  o.dslp_join.join_timeout = absl::Milliseconds(500);
+  o.dslp_join.channel_bytes = 1 << 16;
+  o.dslp_ep_mode = EpMode::kStandard;
+  PrefillScheduler s0(rig0->runner.get(), &exports0, o);
+  o.export_prefix += "r1-";
+  PrefillScheduler s1(rig1->runner.get(), &exports1, o);
+
+  const std::string group = UniqueName("sched");
+  PrefillJob j0 = Job("req", 30), j1 = Job("req", 30);
+  j0.dslp = Group(group, 0, 2);
+  j1.dslp = Group(group, 1, 2);
+  absl::StatusOr<PrefillOutcome> o0, o1;
+  {
+    std::atomic<bool> done{false};
+    // What GetStatus reads while the model thread switches the expert subset and prefills.
+    std::thread status([&] {
+      while (!done.load()) {
+        EXPECT_GT(rig1->runner->weights().ring_slot_bytes(), 0u);
+        EXPECT_GT(rig1->runner->weights().ring_slots(), 0);
+        (void)s1.stats();
+        absl::SleepFor(absl::Microseconds(200));
+      }
+    });
+    std::thread t0([&] { o0 = s0.Prefill(j0, nullptr); });
+    std::thread t1([&] { o1 = s1.Prefill(j1, nullptr); });
+    t0.join();
+    t1.join();
+    done = true;
+    status.join();
+  }
+  ASSERT_TRUE(o0.ok()) << o0.status();
+  ASSERT_TRUE(o1.ok()) << o1.status();
+  EXPECT_TRUE(o0->exported);
+  EXPECT_FALSE(o1->exported);
+  EXPECT_EQ(o0->dslp_rank, 0);
+  EXPECT_EQ(o1->dslp_rank, 1);
+  EXPECT_EQ(o0->dslp_local_tokens + o1->dslp_local_tokens, 30);
+  EXPECT_GT(o1->dslp_bytes_sent, 0);
+  EXPECT_EQ(o1->first_token, -1);
+  EXPECT_EQ(o0->first_token, Slp(j0.prompt).first_token);
+  const v1::PrefillResponse r0 = OutcomeToProto(*o0, "w0"), r1 = OutcomeToProto(*o1, "w1");
+  EXPECT_TRUE(r0.has_kv_handle());
+  EXPECT_FALSE(r1.has_kv_handle());
+  EXPECT_EQ(r1.first_token_id(), -1);
+  EXPECT_EQ(r1.timing().dslp_local_tokens(), o1->dslp_local_tokens);
+  EXPECT_EQ(exports0.count(), 1);
+  EXPECT_EQ(exports1.count(), 0);
+  EXPECT_EQ(s0.stats().last_dslp_group, group);
+  EXPECT_EQ(s1.stats().dslp_prefills, 1);
+  ASSERT_TRUE(exports0.Release("req").ok());
+
+  // Rank 1 never comes: rank 0 creates the object, waits the join timeout, and removes it.
+  const std::string lonely = UniqueName("lonely");
+  PrefillJob alone = Job("alone", 30);
+  alone.dslp = Group(lonely, 0, 2);
+  absl::StatusOr<PrefillOutcome> failed = s0.Prefill(alone, nullptr);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kAborted) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "did not form")) << failed.status();
+  EXPECT_FALSE(ShmGroupExists(lonely));
+  // Rank 1 of a group whose rank 0 never comes, cancelled while it waits.
+  const std::string waiting = UniqueName("waiting");
+  PrefillJob late = Job("late", 30);
+  late.dslp = Group(waiting, 1, 2);
+  std::atomic<bool> gone{false};
+  absl::StatusOr<PrefillOutcome> cancelled;
+  std::thread t([&] { cancelled = s1.Prefill(late, [&] { return gone.load(); }); });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time cancel_at = absl::Now();
+  gone = true;
+  t.join();
+  EXPECT_EQ(cancelled.status().code(), absl::StatusCode::kCancelled) << cancelled.status();
+  EXPECT_LT(absl::Now() - cancel_at, absl::Milliseconds(400));
+  EXPECT_FALSE(ShmGroupExists(waiting));
+  EXPECT_EQ(s0.stats().failed, 1);
 }
 
 }  // namespace

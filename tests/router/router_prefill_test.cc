@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -293,6 +294,29 @@ TEST_F(RouterPrefillTest, DslpRefusedAsUnimplementedIsRetriedAsSlp) {
   EXPECT_EQ(registry_.Find("p1")->state, WorkerState::kLive);
 }
 
+// A prompt the workers cannot split (INVALID_ARGUMENT from the ranks, e.g. a rank's share beyond
+// their --max-step-tokens) is retried as SLP when DSLP was the policy's choice, and relayed when
+// the client asked for DSLP.
+TEST_F(RouterPrefillTest, DslpPromptTheWorkersCannotSplitIsRetriedAsSlp) {
+  Start();
+  AddDecode("d0", "cuda:0", {.tokens = {31}});
+  const absl::Status split = absl::InvalidArgumentError("prompt_token_ids: 40 tokens over 2 ranks");
+  AddPrefill("p0", "cuda:0", {.first_token = 11, .dslp_status = split});
+  AddPrefill("p1", "cuda:1", {.first_token = 12, .dslp_status = split});
+  Sink sink;
+  ASSERT_TRUE(Generate(Request("split", 40), &sink).ok());
+  EXPECT_EQ(sink.finished().timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(sink.finished().timing().attempts(), 2);
+  v1::GenerateRequest hinted = Request("hinted-split", 40);
+  hinted.set_path_hint(v1::PATH_HINT_DSLP);
+  Sink sink2;
+  const absl::Status s = Generate(hinted, &sink2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "40 tokens over 2 ranks")) << s;
+  EXPECT_EQ(registry_.Find("p0")->state, WorkerState::kLive);
+  EXPECT_EQ(registry_.Find("p1")->state, WorkerState::kLive);
+}
+
 TEST_F(RouterPrefillTest, DslpHintWhenDslpIsRefusedIsFailedPrecondition) {
   Start();
   AddDecode("d0", "cuda:0", {.tokens = {31}});
@@ -515,6 +539,88 @@ TEST_F(RouterPrefillTest, OneDslpRankFailingCancelsTheOthersAndRetries) {
   ASSERT_EQ(log.prefills.size(), 2u);
   EXPECT_EQ(log.prefills[1].request_id(), "rank:2");
   EXPECT_FALSE(log.prefills[1].has_dslp());
+}
+
+// A rank answering ABORTED reports a broken group (its peer died): the router does not cancel the
+// other ranks at once, so the dead rank's own failed call names it; only that worker is marked
+// dead and the retry (decode idle, one live prefill worker) runs SLP on the live one.
+TEST_F(RouterPrefillTest, DslpRankReportingABrokenGroupLetsTheDeadRankNameItself) {
+  Start();
+  AddDecode("d0", "cuda:0", {.tokens = {5}});
+  Gate gate;
+  AddPrefill(
+      "p0", "cuda:0",
+      {.first_token = 3, .dslp_status = absl::AbortedError("dslp group g failed: rank 1 died")});
+  AddPrefill("p1", "cuda:1",
+             {.dslp_status = absl::UnavailableError("Socket closed"), .gate = &gate});
+  std::jthread opener([&] {
+    WaitUntil([&] { return Prefills("p0") == 1 && Prefills("p1") == 1; }, "both ranks running");
+    absl::SleepFor(absl::Milliseconds(50));  // well within dslp_failure_grace
+    gate.Open();
+  });
+  Sink sink;
+  ASSERT_TRUE(Generate(Request("broken", 40), &sink).ok());
+  EXPECT_EQ(sink.tokens(), (std::vector<int32_t>{3, 5}));
+  EXPECT_EQ(sink.finished().timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(sink.finished().timing().attempts(), 2);
+  EXPECT_EQ(registry_.Find("p1")->state, WorkerState::kDead);
+  EXPECT_EQ(registry_.Find("p0")->state, WorkerState::kLive);
+  PrefillLog& log = prefill_.log("fake:p1");
+  absl::MutexLock lock(&log.mu);
+  EXPECT_EQ(log.cancelled, 0);
+}
+
+// Every rank that answers reports a broken group and one never answers (a hung peer): after
+// dslp_failure_grace the silent rank is cancelled; no worker is marked dead (none is known to be
+// gone; heartbeats decide); without retries the request ends UNAVAILABLE naming the group.
+TEST_F(RouterPrefillTest, BrokenDslpGroupWithASilentRankIsCancelledAfterTheGrace) {
+  RouterOptions o;
+  o.max_dispatch_attempts = 1;
+  o.dslp_failure_grace = absl::Milliseconds(100);
+  Start(o);
+  AddDecode("d0", "cuda:0", {.tokens = {5}});
+  AddPrefill("p0", "cuda:0",
+             {.dslp_status = absl::AbortedError("dslp group g failed: rank 1 stopped responding")});
+  AddPrefill("p1", "cuda:1", {.hang_in_dslp = true});
+  Sink sink;
+  const absl::Time start = absl::Now();
+  const absl::Status s = Generate(Request("hung", 40), &sink);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "DSLP group hmoe-dslp-1 failed")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "prefill worker p0 (rank 0 of 2) reported")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "stopped responding")) << s;
+  EXPECT_EQ(registry_.Find("p0")->state, WorkerState::kLive);
+  EXPECT_EQ(registry_.Find("p1")->state, WorkerState::kLive);
+  PrefillLog& log = prefill_.log("fake:p1");
+  absl::MutexLock lock(&log.mu);
+  EXPECT_EQ(log.cancelled, 1);
+}
+
+// DSLP needs two prompt tokens per rank and ranks of one device kind.
+TEST_F(RouterPrefillTest, DslpGroupsAreOfOneDeviceKindAndLongEnoughPrompts) {
+  Start();
+  AddDecode("d0", "cpu", {.tokens = {5}});
+  AddPrefill("p0", "cuda:0", {.first_token = 3});
+  AddPrefill("p1", "cpu", {.first_token = 3});
+  AddPrefill("p2", "cuda:1", {.first_token = 3});
+  Sink sink;
+  ASSERT_TRUE(Generate(Request("kinds", 40), &sink).ok());
+  EXPECT_EQ(sink.finished().timing().path(), v1::PATH_DSLP);
+  EXPECT_EQ(Prefills("p1"), 0u);
+  {
+    PrefillLog& log = prefill_.log("fake:p2");
+    absl::MutexLock lock(&log.mu);
+    ASSERT_EQ(log.prefills.size(), 1u);
+    EXPECT_EQ(log.prefills[0].dslp().world_size(), 2);
+    EXPECT_EQ(log.prefills[0].dslp().rank(), 1);
+  }
+  v1::GenerateRequest hinted = Request("short", 3);
+  hinted.set_path_hint(v1::PATH_HINT_DSLP);
+  Sink sink2;
+  const absl::Status s = Generate(hinted, &sink2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "cannot be split")) << s;
 }
 
 TEST_F(RouterPrefillTest, StatusCountsRequestsOnPrefillWorkers) {

@@ -5,8 +5,10 @@
 //     prompts;
 //   - the SLP and DSLP paths (long prompt with decode idle / with decode active) through the real
 //     router and decode worker, with prefill workers played by this process (the real
-//     hmoe.prefill.v1 protocol, reference prefill, real KV hand-off segments) and, once
-//     hmoe-prefill-worker is built, with that binary;
+//     hmoe.prefill.v1 protocol, reference prefill, real KV hand-off segments) and with real
+//     hmoe-prefill-worker processes (DSLP groups of them);
+//   - a DSLP rank SIGKILLed mid-prefill: its request fails with UNAVAILABLE naming the worker, the
+//     next one runs in a new group of the live workers (issue #5 acceptance 3);
 //   - under supervisord, as `hmoe deploy` writes it: kill -9 the decode worker (then a prefill
 //     worker) while requests run: the router keeps answering health, affected requests end with a
 //     clear status, supervisord restarts the worker, new requests succeed within 5 s, weightd
@@ -310,7 +312,8 @@ class Stack {
   // `router_flags` and `decode_flags` are appended to the defaults.
   static std::unique_ptr<Stack> Start(const std::string& tag, int prefill_workers,
                                       std::vector<std::string> router_flags,
-                                      std::vector<std::string> decode_flags = {}) {
+                                      std::vector<std::string> decode_flags = {},
+                                      std::vector<std::string> prefill_flags = {}) {
     auto s = std::unique_ptr<Stack>(new Stack());
     s->run_ = absl::StrCat(g_shared->dir, "/", tag);
     std::filesystem::create_directories(s->run_);
@@ -376,14 +379,17 @@ class Stack {
     d.stderr_path = s->run_ + "/decode.log";
     if (!s->Spawn(std::move(d), &s->decode_)) return nullptr;
 
+    s->tag_ = tag;
     for (int i = 0; i < prefill_workers; ++i) {
       ChildOptions p;
-      const std::string id = absl::StrCat("prefill-", i);
+      // Worker ids unique to the stack: a prefill worker removes the hand-off segments of its id
+      // at start-up (hmoe-kv-<id>-*), and stacks of this test may run at the same time.
+      const std::string id = s->PrefillId(i);
       p.argv = {kPrefill,
                 "--weightd-instance",
                 s->instance_,
                 "--socket",
-                absl::StrCat(s->run_, "/", id, ".sock"),
+                absl::StrCat(s->run_, "/prefill-", i, ".sock"),
                 "--device",
                 "cpu",
                 "--router",
@@ -392,7 +398,8 @@ class Stack {
                 id,
                 "--drain-seconds",
                 "5"};
-      p.stderr_path = absl::StrCat(s->run_, "/", id, ".log");
+      p.argv.insert(p.argv.end(), prefill_flags.begin(), prefill_flags.end());
+      p.stderr_path = absl::StrCat(s->run_, "/prefill-", i, ".log");
       s->prefill_.emplace_back();
       if (!s->Spawn(std::move(p), &s->prefill_.back())) return nullptr;
     }
@@ -425,7 +432,27 @@ class Stack {
 
   Client& client() { return *client_; }
   ChildProcess& decode() { return *decode_; }
+  ChildProcess& router() { return *router_; }
+  ChildProcess& prefill(int i) { return *prefill_[i]; }
+  std::string PrefillId(int i) const { return absl::StrCat(tag_, "-prefill-", i); }
   const std::string& run() const { return run_; }
+
+  // SIGKILLs prefill worker i and reaps it (the destructor then skips it).
+  void KillPrefill(int i) {
+    EXPECT_TRUE(prefill_[i]->Kill().ok());
+    prefill_[i].reset();
+  }
+
+  // Prefill worker i's own status, over its socket.
+  prefill::v1::PrefillStatus PrefillStatus(int i) {
+    auto stub = prefill::v1::PrefillService::NewStub(grpc::CreateChannel(
+        absl::StrCat("unix:", run_, "/prefill-", i, ".sock"), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    prefill::v1::PrefillStatus st;
+    EXPECT_TRUE(stub->GetStatus(&ctx, {}, &st).ok());
+    return st;
+  }
 
   // The decode worker's own status, over its socket.
   decode::v1::WorkerStatus DecodeStatus() {
@@ -451,6 +478,7 @@ class Stack {
   }
 
   std::string run_;
+  std::string tag_;
   std::string instance_;
   std::unique_ptr<ChildProcess> weightd_;
   std::unique_ptr<ChildProcess> router_;
@@ -567,16 +595,24 @@ TEST_F(RouterStackTest, LongPromptsTakeThePolicyPathAndAgreeWithTheReference) {
   ASSERT_NE(stack, nullptr);
   constexpr int kNew = 16;
 
-  // Long, decode never active: DSLP over both prefill workers.
-  const std::vector<int32_t> idle_prompt = Prompt(48, 1);
+  // Long, decode never active: DSLP over both prefill workers (a group of 2 ranks: each held
+  // two zig-zag chunks, rank 0 handed over the whole prompt's cache). 45 tokens: not a multiple
+  // of 2S.
+  const std::vector<int32_t> idle_prompt = Prompt(45, 1);
   Stream idle = stack->client().Generate(Greedy("idle", idle_prompt, kNew));
   ExpectAgreement(idle_prompt, idle, kNew, "long, decode idle");
-  if (idle.finish.timing().path() == v1::PATH_SLP && idle.finish.timing().attempts() == 2) {
-    GTEST_SKIP() << "the prefill workers answered DSLP with UNIMPLEMENTED (issue #5) and the "
-                    "router fell back to SLP; the long-with-decode and short cases are not run";
-  }
   EXPECT_EQ(idle.finish.timing().path(), v1::PATH_DSLP);
-  EXPECT_EQ(idle.finish.timing().worker_ids_size(), 3);
+  EXPECT_EQ(idle.finish.timing().attempts(), 1);
+  ASSERT_EQ(idle.finish.timing().worker_ids_size(), 3);
+  EXPECT_EQ(idle.finish.timing().worker_ids(0), "decode-0");
+  for (int i = 0; i < 2; ++i) {
+    const prefill::v1::PrefillStatus st = stack->PrefillStatus(i);
+    EXPECT_EQ(st.dslp_prefills(), 1) << i;
+    EXPECT_TRUE(absl::StartsWith(st.dslp_group_id(),
+                                 absl::StrCat("hmoe-dslp-", stack->router().pid(), "-")))
+        << st.dslp_group_id();
+    EXPECT_EQ(st.exports(), 0) << i;  // released after the decode worker's import
+  }
 
   // Short: chunked on the decode worker. Keep it generating while a long prompt arrives.
   const std::vector<int32_t> short_prompt = Prompt(10, 2);
@@ -592,6 +628,101 @@ TEST_F(RouterStackTest, LongPromptsTakeThePolicyPathAndAgreeWithTheReference) {
   EXPECT_EQ(busy.finish.timing().path(), v1::PATH_CHUNKED);
   ExpectAgreement(long_prompt, with_decode, kNew, "long, decode active");
   EXPECT_EQ(with_decode.finish.timing().path(), v1::PATH_SLP);
+}
+
+// Issue #5 acceptance 3 through the real processes: SIGKILL one rank of a 3-worker DSLP group
+// mid-prefill. The request fails at once with UNAVAILABLE naming the dead worker (the router runs
+// with --max-dispatch-attempts=1 here, so the failure is not hidden by a retry); the router keeps
+// serving, marks the worker dead, and the next long prompt runs in a new group of the two live
+// workers, agreeing with the reference. Nothing of the broken group stays in /dev/shm. The prefill
+// workers' copies are capped (--copy-gbps) so a prefill lasts about two seconds. Standard EP.
+TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext) {
+  if (!HavePrefillWorker()) GTEST_SKIP() << "hmoe-prefill-worker is not built in this tree";
+  // Standard EP here (the policy test above runs the workers' default, SmallEP).
+  auto stack =
+      Stack::Start("dslp-kill", 3,
+                   {"--chunk-threshold=32", "--max-dispatch-attempts=1", "--dslp-ep-mode=standard"},
+                   {}, {"--copy-gbps=0.002", "--threads=1", "--pin-threads=false"});
+  ASSERT_NE(stack, nullptr);
+  const std::string router_groups = absl::StrCat("hmoe.comm.hmoe-dslp-", stack->router().pid());
+  auto leftover_groups = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      n += absl::StartsWith(e.path().filename().string(), router_groups);
+    }
+    return n;
+  };
+  constexpr int kNew = 12;
+  const std::vector<int32_t> prompt = Prompt(61, 5);  // not a multiple of 2S = 6
+
+  Stream victim;
+  absl::Time killed, failed;
+  {
+    std::jthread client([&] {
+      victim = stack->client().Generate(Greedy("victim", prompt, kNew));
+      failed = absl::Now();
+    });
+    const absl::Time end = absl::Now() + absl::Seconds(60);
+    while (!stack->PrefillStatus(1).busy() && absl::Now() < end) std::this_thread::sleep_for(2ms);
+    ASSERT_TRUE(stack->PrefillStatus(1).busy()) << "the DSLP prefill never started";
+    std::this_thread::sleep_for(300ms);  // inside the forward pass: the group formed at once
+    EXPECT_TRUE(stack->PrefillStatus(0).busy());
+    killed = absl::Now();
+    stack->KillPrefill(1);
+  }
+  const absl::Duration to_failure = failed - killed;
+  ASSERT_FALSE(victim.status.ok()) << "the request finished before the kill; nothing was tested";
+  EXPECT_EQ(victim.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << victim.status.error_message();
+  EXPECT_TRUE(absl::StrContains(victim.status.error_message(), "DSLP group hmoe-dslp-"))
+      << victim.status.error_message();
+  EXPECT_TRUE(absl::StrContains(victim.status.error_message(),
+                                absl::StrCat("prefill worker ", stack->PrefillId(1), " (rank")))
+      << victim.status.error_message();
+  EXPECT_TRUE(absl::StrContains(victim.status.error_message(), "is gone"))
+      << victim.status.error_message();
+  EXPECT_TRUE(victim.tokens.empty());
+  EXPECT_LT(to_failure, absl::Seconds(3));
+  std::cerr << "DSLP rank killed -> request failed after " << to_failure << ": "
+            << victim.status.error_message() << "\n";
+  ::testing::Test::RecordProperty("dslp_kill_to_failure_ms",
+                                  static_cast<int>(absl::ToInt64Milliseconds(to_failure)));
+  EXPECT_TRUE(stack->client().Serving());
+  // The survivors notice (their peer left, or the router cancelled their calls) and stop.
+  for (int i : {0, 2}) {
+    const absl::Time end = absl::Now() + absl::Seconds(20);
+    while (stack->PrefillStatus(i).busy() && absl::Now() < end) std::this_thread::sleep_for(2ms);
+    EXPECT_FALSE(stack->PrefillStatus(i).busy())
+        << "prefill-" << i << " still runs the broken group";
+  }
+  std::cerr << "survivors idle " << absl::Now() - killed << " after the kill\n";
+  const std::string broken_group = stack->PrefillStatus(0).dslp_group_id();
+  EXPECT_EQ(stack->PrefillStatus(2).dslp_group_id(), broken_group);
+  EXPECT_EQ(leftover_groups(), 0);
+
+  // The router no longer counts the dead worker; the next request forms a new group of two.
+  bool dead = false;
+  const v1::RouterStatus status = stack->client().Status();
+  for (const v1::WorkerInfo& w : status.workers()) {
+    if (w.worker_id() == stack->PrefillId(1)) dead = w.state() == v1::WORKER_STATE_DEAD;
+  }
+  EXPECT_TRUE(dead);
+  const Stream next = stack->client().Generate(Greedy("next", prompt, kNew));
+  ExpectAgreement(prompt, next, kNew, "after a DSLP rank died");
+  EXPECT_EQ(next.finish.timing().path(), v1::PATH_DSLP);
+  ASSERT_EQ(next.finish.timing().worker_ids_size(), 3);
+  EXPECT_EQ(next.finish.timing().worker_ids(1), stack->PrefillId(0));
+  EXPECT_EQ(next.finish.timing().worker_ids(2), stack->PrefillId(2));
+  const prefill::v1::PrefillStatus p0 = stack->PrefillStatus(0);
+  EXPECT_NE(p0.dslp_group_id(), broken_group);
+  EXPECT_EQ(p0.dslp_prefills(), 2);
+  EXPECT_EQ(p0.exports(), 0);
+  EXPECT_EQ(stack->PrefillStatus(2).dslp_group_id(), p0.dslp_group_id());
+  EXPECT_TRUE(
+      absl::StrContains(ReadFile(stack->run() + "/prefill-2.log"),
+                        absl::StrCat("dslp group ", p0.dslp_group_id(), " rank 1/2 (standard)")))
+      << ReadFile(stack->run() + "/prefill-2.log");
+  EXPECT_EQ(leftover_groups(), 0);
 }
 
 // A prefill worker stand-in in this process, until hmoe-prefill-worker exists: it speaks the real

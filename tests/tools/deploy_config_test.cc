@@ -170,6 +170,50 @@ TEST_F(DeployConfigTest, PrefillWorkerCountRules) {
   EXPECT_FALSE(Parse(RenderSupervisordConf(*r)).contains("program:prefill-0"));
 }
 
+// Two or more prefill workers form DSLP groups: on the CPU they share the cores (--threads
+// cpus / N, unpinned) since a group's ranks compute at once; the router gets the EP mode. GPU
+// workers keep their defaults; one CPU worker too.
+TEST_F(DeployConfigTest, PrefillWorkersOfANodeFormDslpGroups) {
+  MakeExecutable(dir_ + "/build/prefill_worker/hmoe-prefill-worker");
+  DeployOptions o = Options();
+  o.prefill_workers = 3;
+  o.cpus = 8;
+  o.dslp_ep_mode = "standard";
+  absl::StatusOr<DeployOptions> r = Resolve(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  Conf conf = Parse(RenderSupervisordConf(*r));
+  for (int i = 0; i < 3; ++i) {
+    const std::string& cmd = conf.at(absl::StrCat("program:prefill-", i)).at("command");
+    EXPECT_TRUE(absl::StrContains(cmd, "--device cpu --router")) << cmd;
+    EXPECT_TRUE(absl::StrContains(cmd, "--threads=2 --pin-threads=false")) << cmd;
+  }
+  EXPECT_TRUE(
+      absl::StrContains(conf.at("program:router").at("command"), "--dslp-ep-mode=standard"));
+  // User flags come last (absl: the last occurrence wins).
+  o.prefill_args = {"--threads=1"};
+  r = Resolve(o);
+  ASSERT_TRUE(r.ok());
+  conf = Parse(RenderSupervisordConf(*r));
+  EXPECT_TRUE(absl::EndsWith(conf.at("program:prefill-0").at("command"),
+                             "--pin-threads=false --threads=1'"));
+  // GPUs, or a single CPU worker: no core sharing; no EP mode: the router's default.
+  o = Options();
+  o.gpus = 2;
+  r = Resolve(o);
+  ASSERT_TRUE(r.ok());
+  conf = Parse(RenderSupervisordConf(*r));
+  EXPECT_FALSE(absl::StrContains(conf.at("program:prefill-1").at("command"), "--threads"));
+  EXPECT_FALSE(absl::StrContains(conf.at("program:router").at("command"), "--dslp-ep-mode"));
+  o = Options();
+  o.prefill_workers = 1;
+  r = Resolve(o);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(absl::StrContains(
+      Parse(RenderSupervisordConf(*r)).at("program:prefill-0").at("command"), "--threads"));
+  o.dslp_ep_mode = "tensor";
+  EXPECT_EQ(Resolve(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(DeployConfigTest, ExtraArgumentsAreAppended) {
   DeployOptions o = Options();
   o.decode_args = {"--threads", "4"};
