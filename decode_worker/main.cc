@@ -26,6 +26,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/device/cpu_device.h"
 #include "common/device/device.h"
@@ -259,7 +260,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   std::vector<std::string> storage;
-  std::vector<char*> args = hmoe::rpc::NormalizeFlagNames(argc, argv, storage);
+  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::SetProgramUsageMessage(
       "hmoe-decode-worker (--model DIR | --weightd-instance NAME) --socket PATH [--device "
       "cpu|cuda:N] [--threads N] [--batch-size 6] [--chunk-size 512] [--dual-batch on|off|auto] "

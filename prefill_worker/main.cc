@@ -30,6 +30,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/comm/shm_collective.h"
 #include "common/device/cpu_device.h"
@@ -356,7 +357,7 @@ int Run() {
 
 int main(int argc, char** argv) {
   std::vector<std::string> storage;
-  std::vector<char*> args = hmoe::rpc::NormalizeFlagNames(argc, argv, storage);
+  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::SetProgramUsageMessage(
       "hmoe-prefill-worker (--model DIR | --weightd-instance NAME) --socket PATH [--device "
       "cpu|cuda:N] [--threads N] [--device-memory-mb MB] [--copy-gbps G] [--stream-budget-mb MB] "

@@ -23,6 +23,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/model/model_config.h"
 #include "common/model/tokenizer.h"
@@ -89,29 +90,12 @@ bool PrepareSocketDir(const std::string& socket_path) {
   return true;
 }
 
-// absl flags are spelled with underscores; accept --max-inflight as well as --max_inflight.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.assign(argv, argv + argc);
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& a = storage[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t j = 2; j < end; ++j) {
-      if (a[j] == '-') a[j] = '_';
-    }
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("hmoe-router --listen 127.0.0.1:50051 --model DIR");
   std::vector<std::string> storage;
-  std::vector<char*> args = NormalizeFlagNames(argc, argv, storage);
+  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
 
   hmoe::router::RouterOptions options;

@@ -38,6 +38,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
+#include "common/base/flags.h"
 #include "common/base/status_macros.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
@@ -181,24 +182,6 @@ absl::Status Run() {
                load_s, prompt.size(), max_new_tokens, gen_s,
                gen_s > 0 ? (prompt.size() + max_new_tokens) / gen_s : 0.0);
   return absl::OkStatus();
-}
-
-// absl flags are spelled with underscores; accept the documented dashed spelling too
-// ("--max-new-tokens" == "--max_new_tokens").
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.assign(argv, argv + argc);
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& arg = storage[i];
-    if (arg == "--") break;
-    if (arg.size() < 3 || arg[0] != '-' || arg[1] != '-') continue;
-    const size_t name_end = std::min(arg.find('='), arg.size());
-    for (size_t j = 2; j < name_end; ++j) {
-      if (arg[j] == '-') arg[j] = '_';
-    }
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
 }
 
 }  // namespace

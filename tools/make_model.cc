@@ -20,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "tools/model_writer.h"
 
@@ -37,33 +38,11 @@ ABSL_FLAG(int64_t, experts, 0, "override n_routed_experts (0: preset)");
 ABSL_FLAG(bool, force, false, "write into a non-empty directory, replacing checkpoint files");
 ABSL_FLAG(int, threads, 0, "generation threads (0: all cores)");
 
-namespace {
-
-// "--shard-size-mb=3" -> "--shard_size_mb=3": absl flag names cannot contain dashes.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
-  storage->reserve(static_cast<size_t>(argc));
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (i > 0 && arg.size() > 2 && arg.rfind("--", 0) == 0) {
-      const size_t end = std::min(arg.find('='), arg.size());
-      for (size_t k = 2; k < end; ++k) {
-        if (arg[k] == '-') arg[k] = '_';
-      }
-    }
-    storage->push_back(std::move(arg));
-    args.push_back(storage->back().data());
-  }
-  return args;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "writes a synthetic DeepSeek-V3-family checkpoint: hmoe-make-model --preset tiny --out DIR");
   std::vector<std::string> storage;
-  std::vector<char*> args = NormalizeFlagNames(argc, argv, &storage);
+  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   hmoe::logging::SetVerbosity(std::max(hmoe::logging::Verbosity(), 1));  // per-shard progress
 

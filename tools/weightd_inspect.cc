@@ -32,6 +32,7 @@
 #include "absl/strings/str_join.h"
 #include <grpcpp/grpcpp.h>
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/model/checkpoint.h"
 #include "common/shm/control_segment.h"
@@ -70,22 +71,6 @@ std::string Human(uint64_t bytes) {
 
 std::string Shape(const std::vector<int64_t>& s) {
   return absl::StrCat("[", absl::StrJoin(s, ","), "]");
-}
-
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.assign(argv, argv + argc);
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& a = storage[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t j = 2; j < end; ++j) {
-      if (a[j] == '-') a[j] = '_';
-    }
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
 }
 
 void PrintSummary(const WeightStore& store) {

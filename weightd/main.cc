@@ -28,6 +28,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/shm/shm_names.h"
 #include "weightd/weight_daemon.h"
@@ -51,23 +52,6 @@ namespace hmoe::weightd {
 namespace {
 
 constexpr char kServiceName[] = "hmoe.weightd.v1.WeightdService";
-
-// absl flags are spelled with underscores; accept --numa-slices as well as --numa_slices.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.assign(argv, argv + argc);
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& a = storage[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t j = 2; j < end; ++j) {
-      if (a[j] == '-') a[j] = '_';
-    }
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
-}
 
 int Run(absl::Time process_start) {
   DaemonOptions options;
@@ -196,7 +180,7 @@ int Run(absl::Time process_start) {
 int main(int argc, char** argv) {
   const absl::Time process_start = absl::Now();
   std::vector<std::string> storage;
-  std::vector<char*> args = hmoe::weightd::NormalizeFlagNames(argc, argv, storage);
+  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::SetProgramUsageMessage(
       "hmoe-weightd --model DIR [--instance NAME] [--numa auto|off|N] [--numa-slices N] "
       "[--hugepages auto|1g|2m|thp|off] [--dense-policy interleave|replicate] [--socket PATH] "

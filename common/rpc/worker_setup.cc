@@ -40,22 +40,6 @@ absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& valu
   return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", value, "\" is not on or off"));
 }
 
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.assign(argv, argv + argc);
-  for (size_t i = 1; i < storage.size(); ++i) {
-    std::string& a = storage[i];
-    if (a == "--") break;
-    if (a.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(a.find('='), a.size());
-    for (size_t j = 2; j < end; ++j) {
-      if (a[j] == '-') a[j] = '_';
-    }
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
-}
-
 absl::Status PrepareSocketPath(const std::string& path) {
   if (path.empty() || path[0] != '/') {
     return absl::InvalidArgumentError(

@@ -1,7 +1,7 @@
 #pragma once
 
 // Start-up helpers shared by the worker processes (hmoe-prefill-worker, hmoe-decode-worker):
-// the --device flag, on/off flags, dashed flag names, the owner-only unix socket directory, and
+// the --device flag, on/off flags, the owner-only unix socket directory, and
 // the SIGTERM/SIGINT watcher.
 
 #include <signal.h>
@@ -28,10 +28,6 @@ absl::StatusOr<DeviceSpec> ParseDeviceFlag(const std::string& value);
 
 // "on"/"off" (also true/false, 1/0). InvalidArgument naming `flag` otherwise.
 absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value);
-
-// absl flags are spelled with underscores; returns argv with "--batch-size" style names turned
-// into "--batch_size" (values and everything after "--" untouched). `storage` owns the strings.
-std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage);
 
 // Makes sure the unix socket `path` can be served safely: absolute, short enough for
 // sockaddr_un, its parent directory created 0700 when missing and otherwise owned by this user
