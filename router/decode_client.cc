@@ -5,8 +5,8 @@
 #include "absl/synchronization/mutex.h"
 #include <grpcpp/grpcpp.h>
 
+#include "common/rpc/grpc_status.h"
 #include "proto/decode.grpc.pb.h"
-#include "router/grpc_status.h"
 #include "router/worker_channel.h"
 
 namespace hmoe::router {
@@ -22,7 +22,7 @@ class GrpcDecodeStream : public DecodeStream {
     reader_ = stub->Admit(&context_, request);
   }
   bool Read(dv1::AdmitResponse* response) override { return reader_->Read(response); }
-  absl::Status Finish() override { return FromGrpcStatus(reader_->Finish()); }
+  absl::Status Finish() override { return rpc::FromGrpcStatus(reader_->Finish()); }
   void Cancel() override { context_.TryCancel(); }
 
  private:

@@ -8,8 +8,8 @@
 #include "absl/synchronization/notification.h"
 #include <grpcpp/grpcpp.h>
 
+#include "common/rpc/grpc_status.h"
 #include "proto/prefill.grpc.pb.h"
-#include "router/grpc_status.h"
 #include "router/worker_channel.h"
 
 namespace hmoe::router {
@@ -38,7 +38,7 @@ class GrpcPrefillCall : public PrefillCall {
 
   absl::StatusOr<pv1::PrefillResponse> Wait() override {
     done_.WaitForNotification();
-    if (!status_.ok()) return FromGrpcStatus(status_);
+    if (!status_.ok()) return rpc::FromGrpcStatus(status_);
     return response_;
   }
   void Cancel() override { context_.TryCancel(); }
@@ -69,7 +69,7 @@ class GrpcPrefillClient : public PrefillClient {
     pv1::ReleaseRequest request;
     request.set_request_id(request_id);
     pv1::ReleaseResponse response;
-    return FromGrpcStatus(stub_->Release(&context, request, &response));
+    return rpc::FromGrpcStatus(stub_->Release(&context, request, &response));
   }
 
  private:

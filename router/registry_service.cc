@@ -1,6 +1,6 @@
 #include "router/registry_service.h"
 
-#include "router/grpc_status.h"
+#include "common/rpc/grpc_status.h"
 
 namespace hmoe::router {
 
@@ -26,7 +26,7 @@ grpc::Status RegistryService::Register(grpc::ServerContext*, const rv1::Register
   id.model = request->model();
   id.start_unix_ms = request->start_unix_ms();
   absl::StatusOr<int64_t> incarnation = registry_->Register(id);
-  if (!incarnation.ok()) return ToGrpcStatus(incarnation.status());
+  if (!incarnation.ok()) return rpc::ToGrpcStatus(incarnation.status());
   response->set_heartbeat_interval_ms(
       absl::ToInt64Milliseconds(registry_->options().heartbeat_interval));
   return grpc::Status::OK;
@@ -42,7 +42,7 @@ grpc::Status RegistryService::Heartbeat(grpc::ServerContext*, const rv1::Heartbe
   load.kv_blocks_free = request->load().kv_blocks_free();
   load.kv_blocks_total = request->load().kv_blocks_total();
   load.tokens_per_second = request->load().tokens_per_second();
-  return ToGrpcStatus(registry_->Heartbeat(request->worker_id(), load));
+  return rpc::ToGrpcStatus(registry_->Heartbeat(request->worker_id(), load));
 }
 
 }  // namespace hmoe::router

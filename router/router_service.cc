@@ -2,7 +2,7 @@
 
 #include "absl/time/clock.h"
 
-#include "router/grpc_status.h"
+#include "common/rpc/grpc_status.h"
 
 namespace hmoe::router {
 namespace {
@@ -31,12 +31,12 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
   const absl::Time deadline = raw_deadline == std::chrono::system_clock::time_point::max()
                                   ? absl::InfiniteFuture()
                                   : absl::FromChrono(raw_deadline);
-  return ToGrpcStatus(router_->Generate(*request, deadline, &sink));
+  return rpc::ToGrpcStatus(router_->Generate(*request, deadline, &sink));
 }
 
 grpc::Status RouterService::Cancel(grpc::ServerContext*, const hmoe::v1::CancelRequest* request,
                                    hmoe::v1::CancelResponse*) {
-  return ToGrpcStatus(router_->Cancel(request->request_id()));
+  return rpc::ToGrpcStatus(router_->Cancel(request->request_id()));
 }
 
 grpc::Status RouterService::GetModelInfo(grpc::ServerContext*, const hmoe::v1::GetModelInfoRequest*,

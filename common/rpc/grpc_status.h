@@ -2,7 +2,8 @@
 
 // absl::StatusCode and grpc::StatusCode both mirror google.rpc.Code, so codes cross process
 // boundaries unchanged (STYLE.md Part 2 §3): handlers `return ToGrpcStatus(s)`, clients use
-// FromGrpcStatus.
+// FromGrpcStatus. Header-only on purpose: hmoe-router includes it without linking hmoe::rpc (which
+// pulls in the device library the router must not link).
 
 #include <string>
 

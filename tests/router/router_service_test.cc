@@ -24,12 +24,12 @@
 
 #include "common/model/tokenizer.h"
 #include "common/model/tokenizer_builder.h"
+#include "common/rpc/grpc_status.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "proto/prefill.grpc.pb.h"
 #include "router/clock.h"
 #include "router/decode_client.h"
-#include "router/grpc_status.h"
 #include "router/prefill_client.h"
 #include "router/registry_service.h"
 #include "router/router.h"
