@@ -1,0 +1,273 @@
+// Issue #5 acceptance 1 with the real processes: S = 2 and 3 hmoe-prefill-worker processes (CPU
+// device) run one prompt as a DSLP group — this test sends every rank the request the router
+// would send — in both EP modes, on `tiny` and `small`, with prompt lengths that are not
+// multiples of 2S. Rank 0's KV hand-off is compared with the one single-worker SLP exports for the
+// same prompt (same worker binary and flags), and a real hmoe-decode-worker continues the
+// sequence from the DSLP hand-off: the first token and 32 greedy tokens follow the token
+// agreement rule against the FP32 reference (tests/decode_worker/decode_test_util.h).
+//
+// KV tolerance. Layer 0 is bit-equal (the same per-token ops on both sides); every token row of
+// a later layer must be within kKvRelTolerance of the layer's RMS (max |DSLP - SLP| over the row),
+// except at most MaxRoutingFlips(N) tokens: where the merged attention's other F32 summation
+// order moves a router score across a near-tie, that token follows other experts from then on.
+// Separate processes do not report their routing, so this test bounds the number of such tokens;
+// tests/dslp/dslp_test.cc runs the same comparison on rank processes that do, and verifies that
+// every token beyond the tolerance is such a routing flip (docs/dslp.md "Numerics").
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "common/kv/kv_handoff.h"
+#include "proto/decode.grpc.pb.h"
+#include "proto/prefill.grpc.pb.h"
+#include "tests/decode_worker/decode_test_util.h"
+#include "tests/prefill_worker/handoff_test_util.h"
+
+namespace hmoe::prefill {
+namespace {
+
+using ::hmoe::decode::testing::Agreement;
+using ::hmoe::decode::testing::CheckAgreement;
+using testing::Generation;
+using testing::HandOffEnv;
+using testing::PrefillClient;
+using testing::Process;
+
+constexpr char kPrefillWorker[] = HMOE_PREFILL_WORKER_PATH;
+constexpr char kDecodeWorker[] = HMOE_DECODE_WORKER_PATH;
+constexpr double kKvRelTolerance = 0.02;  // as tests/dslp/dslp_test.cc
+constexpr int kDecodeSteps = 32;          // greedy tokens after the first
+constexpr int kMaxWorkers = 3;
+
+int MaxRoutingFlips(int64_t tokens) { return 2 + static_cast<int>(tokens / 50); }
+
+// Per preset: the model and its reference, kMaxWorkers prefill workers and a decode worker.
+struct Stack {
+  std::unique_ptr<HandOffEnv> env;
+  std::vector<std::unique_ptr<Process>> prefill;
+  std::unique_ptr<Process> decode;
+};
+
+Stack* GetStack(const std::string& preset) {
+  static auto* const stacks = new std::map<std::string, std::unique_ptr<Stack>>();
+  std::unique_ptr<Stack>& s = (*stacks)[preset];
+  if (s != nullptr) return s.get();
+  auto stack = std::make_unique<Stack>();
+  stack->env = testing::MakeHandOffEnv(preset);
+  if (stack->env == nullptr) return nullptr;
+  for (int i = 0; i < kMaxWorkers; ++i) {
+    // A unique worker id per process of this binary (exports are hmoe-kv-<id>-*; a worker
+    // removes its id's leftovers at start-up, and ctest may run binaries concurrently).
+    auto p = Process::Start(*stack->env, kPrefillWorker, absl::StrCat(preset, "-prefill-", i),
+                            {"--worker-id", absl::StrCat("dslpw-", ::getpid(), "-", preset, "-", i),
+                             "--max-prompt-tokens", "512", "--dslp-join-timeout-seconds", "60"});
+    if (p == nullptr) return nullptr;
+    stack->prefill.push_back(std::move(p));
+  }
+  stack->decode = Process::Start(*stack->env, kDecodeWorker, preset + "-decode",
+                                 {"--kv-blocks", "64", "--kv-block-tokens", "16"});
+  if (stack->decode == nullptr) return nullptr;
+  s = std::move(stack);
+  return s.get();
+}
+
+// The F32 payload of a hand-off (a copy: the worker frees the buffer on Release).
+absl::StatusOr<std::vector<float>> ReadHandOff(const HandOffEnv& env,
+                                               const v1::PrefillResponse& r) {
+  const ModelConfig& c = env.checkpoint->config();
+  KvHandoffShape shape;
+  shape.num_layers = static_cast<uint32_t>(c.num_hidden_layers);
+  shape.kv_lora_rank = static_cast<uint32_t>(c.kv_lora_rank);
+  shape.rope_dim = static_cast<uint32_t>(c.qk_rope_head_dim);
+  KvHandleSpec spec;
+  spec.shm_name = r.kv_handle().shm_name();
+  spec.num_tokens = r.kv_handle().num_tokens();
+  spec.layout_version = r.kv_handle().layout_version();
+  auto source = NewShmKvImporter()->Open(spec, shape);
+  if (!source.ok()) return source.status();
+  const std::span<const std::byte> payload = (*source)->payload();
+  std::vector<float> kv(payload.size() / sizeof(float));
+  std::memcpy(kv.data(), payload.data(), kv.size() * sizeof(float));
+  return kv;
+}
+
+struct KvComparison {
+  double layer0_max = 0;    // layer 0: must be 0
+  double worst_within = 0;  // largest error among the rows within the tolerance
+  int beyond = 0;           // tokens with a row beyond the tolerance
+  std::string detail;
+};
+
+KvComparison CompareKv(const std::vector<float>& got, const std::vector<float>& want,
+                       int64_t layers, int64_t tokens) {
+  KvComparison c;
+  const size_t per_layer = want.size() / layers;
+  const size_t row = per_layer / tokens;
+  std::vector<bool> beyond(tokens, false);
+  for (int64_t l = 0; l < layers; ++l) {
+    double sq = 0;
+    for (size_t i = l * per_layer; i < (l + 1) * per_layer; ++i) {
+      sq += static_cast<double>(want[i]) * want[i];
+    }
+    const double rms = std::max(1e-12, std::sqrt(sq / per_layer));
+    double layer_max = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      double err = 0;
+      for (size_t i = 0; i < row; ++i) {
+        const size_t k = l * per_layer + t * row + i;
+        err = std::max(err, std::abs(static_cast<double>(got[k]) - want[k]) / rms);
+      }
+      layer_max = std::max(layer_max, err);
+      if (err <= kKvRelTolerance) {
+        c.worst_within = std::max(c.worst_within, err);
+      } else if (!beyond[t]) {
+        beyond[t] = true;
+        ++c.beyond;
+        absl::StrAppendFormat(&c.detail, " [token %d: %.3f from layer %d]", t, err, l);
+      }
+    }
+    if (l == 0) c.layer0_max = layer_max;
+    absl::StrAppendFormat(&c.detail, " L%d=%.1e", l, layer_max);
+  }
+  return c;
+}
+
+struct Case {
+  std::string preset;
+  int world;
+  v1::EpMode mode;
+  int prompt_len;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  return absl::StrCat(info.param.preset, "_S", info.param.world, "_",
+                      info.param.mode == v1::EP_MODE_STANDARD ? "standard" : "small_ep", "_N",
+                      info.param.prompt_len);
+}
+
+class PrefillWorkerDslpTest : public ::testing::TestWithParam<Case> {
+ protected:
+  static void SetUpTestSuite() {
+    // Notice a worker's GOAWAY promptly (see decode_worker_integration_test.cc).
+    ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", 1);
+  }
+};
+
+TEST_P(PrefillWorkerDslpTest, MatchesSingleWorkerSlpAndTheDecodeWorkerContinuesIt) {
+  const Case& c = GetParam();
+  ASSERT_EQ(c.prompt_len % (2 * c.world) != 0, true) << "the cases use lengths not divisible by 2S";
+  Stack* stack = GetStack(c.preset);
+  ASSERT_NE(stack, nullptr);
+  const HandOffEnv& env = *stack->env;
+  const ModelConfig& config = env.checkpoint->config();
+  // Prompt seed 7. The agreement rule's margin tolerance does not cover the engine's own routing
+  // flips (docs/decode_worker.md): with seed 5 at N = 45 on tiny, step 1 of the continuation
+  // diverges by 0.63 logits although the DSLP cache is bit-identical to SLP's, i.e. single-worker
+  // SLP would diverge the same way; such a prompt tests the engine, not DSLP.
+  const std::vector<int32_t> prompt = testing::Prompt(c.prompt_len, 7);
+  const std::string id = CaseName(::testing::TestParamInfo<Case>(c, 0));
+
+  // Single-worker SLP on worker 0.
+  PrefillClient slp_client(*stack->prefill[0]);
+  v1::PrefillResponse slp;
+  grpc::Status s = slp_client.Prefill(testing::PrefillRequest(id + "-slp", prompt), &slp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  auto slp_kv = ReadHandOff(env, slp);
+  ASSERT_TRUE(slp_kv.ok()) << slp_kv.status();
+  ASSERT_TRUE(slp_client.Release(id + "-slp").ok());
+
+  // DSLP: every rank gets the same request with its own rank, concurrently (as the router does).
+  std::vector<v1::PrefillResponse> responses(c.world);
+  std::vector<grpc::Status> statuses(c.world);
+  {
+    const std::string group = absl::StrCat("hmoe-dslp-test-", ::getpid(), "-", id);
+    std::vector<std::jthread> ranks;
+    for (int r = 0; r < c.world; ++r) {
+      ranks.emplace_back([&, r] {
+        v1::PrefillRequest req = testing::PrefillRequest(id, prompt);
+        v1::DslpGroup* g = req.mutable_dslp();
+        g->set_group_id(group);
+        g->set_shm_group(group);
+        g->set_rank(r);
+        g->set_world_size(c.world);
+        g->set_ep_mode(c.mode);
+        PrefillClient client(*stack->prefill[r]);
+        statuses[r] = client.Prefill(req, &responses[r]);
+      });
+    }
+  }
+  for (int r = 0; r < c.world; ++r) {
+    ASSERT_TRUE(statuses[r].ok()) << "rank " << r << ": " << statuses[r].error_message();
+  }
+  for (int r = 1; r < c.world; ++r) {
+    EXPECT_EQ(responses[r].first_token_id(), -1) << "rank " << r;
+    EXPECT_FALSE(responses[r].has_kv_handle()) << "rank " << r;
+    EXPECT_GT(responses[r].timing().dslp_local_tokens(), 0) << "rank " << r;
+  }
+  const v1::PrefillResponse& r0 = responses[0];
+  ASSERT_TRUE(r0.has_kv_handle());
+  EXPECT_EQ(r0.prompt_tokens(), c.prompt_len);
+  EXPECT_GT(r0.timing().dslp_bytes_sent(), 0);
+
+  // The KV cache against SLP's.
+  auto dslp_kv = ReadHandOff(env, r0);
+  ASSERT_TRUE(dslp_kv.ok()) << dslp_kv.status();
+  ASSERT_EQ(dslp_kv->size(), slp_kv->size());
+  const KvComparison kv = CompareKv(*dslp_kv, *slp_kv, config.num_hidden_layers, c.prompt_len);
+  EXPECT_EQ(kv.layer0_max, 0.0) << "layer 0's KV is computed by the same per-token ops";
+  EXPECT_LE(kv.beyond, MaxRoutingFlips(c.prompt_len)) << kv.detail;
+  std::printf(
+      "[ DSLP workers ] %s: first token %d (SLP %d); KV rows within %.2g: worst %.2e, %d token(s) "
+      "beyond (routing flips, at most %d):%s\n",
+      id.c_str(), r0.first_token_id(), slp.first_token_id(), kKvRelTolerance, kv.worst_within,
+      kv.beyond, MaxRoutingFlips(c.prompt_len), kv.detail.c_str());
+
+  // The decode worker continues from the DSLP hand-off; then the export is released.
+  decode::v1::AdmitRequest admit = testing::HandOff(id, prompt, r0);
+  admit.set_max_new_tokens(1 + kDecodeSteps);
+  PrefillClient rank0(*stack->prefill[0]);
+  bool released = false;
+  const Generation g =
+      testing::Admit(*stack->decode, admit, [&] { released = rank0.Release(id).ok(); });
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message();
+  EXPECT_TRUE(g.kv_imported_first);
+  EXPECT_TRUE(released);
+  std::vector<int32_t> tokens = {r0.first_token_id()};
+  tokens.insert(tokens.end(), g.tokens.begin(), g.tokens.end());
+  ASSERT_EQ(tokens.size(), static_cast<size_t>(1 + kDecodeSteps));
+  auto agreement = CheckAgreement(*env.reference, prompt, tokens);
+  ASSERT_TRUE(agreement.ok()) << agreement.status();
+  EXPECT_TRUE(agreement->ok()) << agreement->detail;
+  std::printf("[ DSLP workers ] %s: %d tokens, %d divergent (worst margin %.3f)%s\n", id.c_str(),
+              agreement->steps, agreement->divergences, agreement->worst_margin,
+              agreement->detail.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, PrefillWorkerDslpTest,
+                         ::testing::Values(Case{"tiny", 2, v1::EP_MODE_STANDARD, 45},
+                                           Case{"tiny", 2, v1::EP_MODE_SMALL_EP, 45},
+                                           Case{"tiny", 3, v1::EP_MODE_STANDARD, 37},
+                                           Case{"tiny", 3, v1::EP_MODE_SMALL_EP, 37}),
+                         CaseName);
+
+INSTANTIATE_TEST_SUITE_P(Small, PrefillWorkerDslpTest,
+                         ::testing::Values(Case{"small", 2, v1::EP_MODE_STANDARD, 101},
+                                           Case{"small", 2, v1::EP_MODE_SMALL_EP, 101},
+                                           Case{"small", 3, v1::EP_MODE_STANDARD, 101},
+                                           Case{"small", 3, v1::EP_MODE_SMALL_EP, 101}),
+                         CaseName);
+
+}  // namespace
+}  // namespace hmoe::prefill
