@@ -234,7 +234,9 @@ absl::StatusOr<SlpResult> SlpRunner::RunDslp(std::span<const int32_t> prompt,
   options.cancelled = &cancelled;
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<DslpRank> dslp,
                         DslpRank::Create(*engine_, comm, options, batch_.get()));
-  HMOE_RETURN_IF_ERROR(weights_->BeginPrefill(1));
+  // Only rank 0 computes logits (its second zig-zag chunk ends the prompt).
+  HMOE_RETURN_IF_ERROR(
+      weights_->BeginPrefill(1, rank == 0 ? HeadStreaming::kLastPass : HeadStreaming::kNever));
   KvSequence seq = cache_->NewSequence();
   absl::StatusOr<DslpResult> ran = dslp->Prefill(prompt, seq);
   if (!ran.ok()) {
@@ -279,7 +281,8 @@ absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
   if (result.ring_slots > 0) HMOE_RETURN_IF_ERROR(weights_->SetRingSlots(result.ring_slots));
   device_->ResetPeakBytes();
   const int64_t passes = (n + max_step_tokens_ - 1) / max_step_tokens_;
-  HMOE_RETURN_IF_ERROR(weights_->BeginPrefill(passes));
+  // Only the last step samples: earlier passes leave the head (lm_head) out.
+  HMOE_RETURN_IF_ERROR(weights_->BeginPrefill(passes, HeadStreaming::kLastPass));
   KvSequence seq = cache_->NewSequence();
   absl::StatusOr<std::vector<float>> logits = RunSteps(seq, prompt, cancelled);
   if (!logits.ok()) {

@@ -866,7 +866,8 @@ absl::StatusOr<std::vector<std::vector<float>>> MicroBatch::HeadImpl() {
   Stream& st = *stream_;
   std::vector<std::vector<float>> result(sc.inputs.size());
   const int64_t m = static_cast<int64_t>(sc.host_head_rows.size());
-  // The head is acquired every step, logits or not, so a streaming provider sees a fixed order.
+  // The head is acquired every step, logits or not, so a streaming provider sees a fixed order;
+  // it may leave it out of the steps that want no logits (HeadStreaming).
   const ModuleId id{ModuleKind::kHead, -1, -1};
   HMOE_ASSIGN_OR_RETURN(const ModuleWeights* mw, engine_->weights_->Acquire(id, st));
   if (m == 0) {
@@ -875,6 +876,12 @@ absl::StatusOr<std::vector<std::vector<float>>> MicroBatch::HeadImpl() {
     return result;
   }
   const HeadWeights& w = mw->head;
+  if (w.lm_head.data == nullptr) {
+    HMOE_RETURN_IF_ERROR(engine_->weights_->Release(id, st));
+    return absl::FailedPreconditionError(
+        "engine: a sequence wants logits but the weight provider did not load the head for this "
+        "step (StreamingWeights::BeginPrefill with HeadStreaming::kLastPass or kNever)");
+  }
   float* hx = sc.head_x.as<float>();
   HMOE_RETURN_IF_ERROR(dev.GatherRows(st, sc.h.as<float>(), k.hidden, sc.head_rows.as<int32_t>(), m,
                                       k.hidden, hx, k.hidden));

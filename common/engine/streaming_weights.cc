@@ -257,6 +257,7 @@ absl::Status StreamingWeights::Plan() {
       }
     }
     bytes_per_pass_ += m->copy_bytes;
+    if (id.kind == ModuleKind::kHead) head_bytes_ = m->copy_bytes;
     modules_.push_back(std::move(m));
   }
   std::unique_lock<std::mutex> lock(mu_);
@@ -400,7 +401,7 @@ absl::Status StreamingWeights::WaitLocked(std::unique_lock<std::mutex>& lock, ab
 
 // ---------------------------------------------------------------------------------- model side
 
-absl::Status StreamingWeights::BeginPrefill(int64_t num_passes) {
+absl::Status StreamingWeights::BeginPrefill(int64_t num_passes, HeadStreaming head) {
   if (num_passes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("streaming weights: ", num_passes, " passes (must be >= 1)"));
@@ -420,6 +421,7 @@ absl::Status StreamingWeights::BeginPrefill(int64_t num_passes) {
     }
     const uint64_t per_pass = modules_.size();
     total_ = static_cast<uint64_t>(num_passes) * per_pass;
+    head_ = head;
     loaded_ = 0;
     unloaded_ = 0;
     unload_queue_.clear();
@@ -609,11 +611,25 @@ absl::Status StreamingWeights::Load(uint64_t seq) {
   Module& m = *modules_[index];
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + options_.stall_timeout;
+  bool skip = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
     HMOE_RETURN_IF_ERROR(WaitLocked(
         lock, deadline, [&] { return slot_next_seq_[index] == seq; },
         "loader waiting for the previous pass to unload a module"));
+    if (m.id.kind == ModuleKind::kHead) {
+      const bool last_pass = seq + modules_.size() >= total_;
+      skip = head_ == HeadStreaming::kNever || (head_ == HeadStreaming::kLastPass && !last_pass);
+    }
+  }
+  if (skip) {
+    // Not streamed in this pass: null tensors, no device memory; the engine does not read them
+    // (HeadStreaming).
+    m.views = ModuleWeights{};
+    HMOE_RETURN_IF_ERROR(m.on->Signal(*loader_stream_));
+    std::unique_lock<std::mutex> lock(mu_);
+    ++stats_.heads_skipped;
+    return absl::OkStatus();
   }
   // Device memory: a ring slot or an arena block, waiting (in kPoll slices, so an abort or a
   // failure elsewhere interrupts the wait) until the unloader has freed enough.

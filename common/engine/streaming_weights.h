@@ -17,7 +17,7 @@
 // per layer attention(l), then dense_mlp(l), or shared_experts(l) and expert(l, e) for every
 // loaded e in increasing id; then head. A prompt longer than one step takes several passes and
 // the loader streams the modules once per pass, running ahead into the next pass while the
-// current one finishes.
+// current one finishes; the head only in the passes that need it (HeadStreaming).
 //
 // Memory: the device holds at most ring_bytes() (the experts ring, allocated once) +
 // budget_bytes() (the arena, allocated once) for weights; everything else on the device is the
@@ -91,10 +91,23 @@ struct StreamingWeightsOptions {
   absl::Duration stall_timeout = absl::Minutes(10);
 };
 
+// Which passes of a prefill stream the head (final norm + lm_head). The engine acquires the head
+// in every step, so the schedule stays fixed, but reads it only when a sequence of the step wants
+// logits: only the last step of a chunked prompt does, and a DSLP rank other than 0 never does.
+// Where the head is not streamed, Acquire returns it with null tensors (no copy, no device
+// memory), and an engine step that wants logits then fails with FailedPrecondition.
+enum class HeadStreaming {
+  kEveryPass,  // every pass (a caller that may want logits from any step)
+  kLastPass,   // only the last pass (SLP: the prompt's last step samples the first token)
+  kNever,      // no pass (a DSLP rank > 0)
+};
+
 // What one prefill's streaming did.
 struct StreamingStats {
   int64_t passes = 0;
   int64_t modules_loaded = 0;
+  // Head loads skipped by HeadStreaming (not counted in modules_loaded or bytes_streamed).
+  int64_t heads_skipped = 0;
   int64_t bytes_streamed = 0;
   // Loader: time inside the copies (the host-to-device link busy), and time blocked waiting for
   // device memory (ring slot or arena space).
@@ -138,8 +151,9 @@ class StreamingWeights final : public WeightProvider {
   // Signals the module's OFF tuple on `stream`. FailedPrecondition when it is not acquired.
   absl::Status Release(const ModuleId& module, Stream& stream) override;
 
-  // Starts streaming `num_passes` (>= 1) passes. FailedPrecondition while a prefill runs.
-  absl::Status BeginPrefill(int64_t num_passes);
+  // Starts streaming `num_passes` (>= 1) passes, the head in those `head` says.
+  // FailedPrecondition while a prefill runs.
+  absl::Status BeginPrefill(int64_t num_passes, HeadStreaming head = HeadStreaming::kEveryPass);
   // Ends the prefill. Normally (abort false) after the engine ran all passes: waits until every
   // module was unloaded and returns the stats; an error of the loader or unloader, or modules
   // not acquired or not released, is returned (the pipeline is then cleaned up as for an
@@ -173,8 +187,9 @@ class StreamingWeights final : public WeightProvider {
   size_t largest_budget_module_bytes() const { return largest_budget_module_; }
   // The most non-expert module bytes of one layer.
   size_t largest_layer_budget_bytes() const { return largest_layer_budget_; }
-  // Weight bytes one pass streams.
+  // Weight bytes one pass streams (the head included), and the head's share of them.
   size_t bytes_per_pass() const { return bytes_per_pass_; }
+  size_t head_bytes() const { return head_bytes_; }
   // The module order of one pass.
   std::vector<ModuleId> schedule() const;
 
@@ -212,6 +227,7 @@ class StreamingWeights final : public WeightProvider {
   size_t largest_budget_module_ = 0;
   size_t largest_layer_budget_ = 0;
   size_t bytes_per_pass_ = 0;
+  size_t head_bytes_ = 0;
   std::unique_ptr<StreamArena> arena_;
   std::unique_ptr<Stream> loader_stream_;
 
@@ -225,13 +241,14 @@ class StreamingWeights final : public WeightProvider {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::unique_ptr<DeviceRingBuffer> ring_;
-  bool running_ = false;               // between BeginPrefill and EndPrefill
-  bool aborting_ = false;              // EndPrefill is stopping the threads
-  bool stopping_ = false;              // destructor
-  uint64_t total_ = 0;                 // modules of the running prefill (passes * modules_per_pass)
-  uint64_t loaded_ = 0;                // the loader's next sequence number
-  uint64_t unloaded_ = 0;              // unloads done
-  std::deque<uint64_t> unload_queue_;  // released by the model, to unload
+  bool running_ = false;   // between BeginPrefill and EndPrefill
+  bool aborting_ = false;  // EndPrefill is stopping the threads
+  bool stopping_ = false;  // destructor
+  uint64_t total_ = 0;     // modules of the running prefill (passes * modules_per_pass)
+  HeadStreaming head_ = HeadStreaming::kEveryPass;  // of the running prefill
+  uint64_t loaded_ = 0;                             // the loader's next sequence number
+  uint64_t unloaded_ = 0;                           // unloads done
+  std::deque<uint64_t> unload_queue_;               // released by the model, to unload
   std::vector<uint64_t> slot_next_seq_;  // per module: the sequence number it serves next
   bool loader_busy_ = false;             // the loader is inside Load
   bool unloader_busy_ = false;           // the unloader is inside Unload

@@ -345,6 +345,79 @@ TEST(StreamingWeightsTest, AbandonedStepThenAbortLeavesAWorkingPipeline) {
   EXPECT_EQ(rig->Run(prompt).kv, Prefill(*resident->engine, *resident->cache, prompt).kv);
 }
 
+// HeadStreaming::kLastPass: a chunked prompt streams the head (final norm + lm_head) only for its
+// last step, the one that wants logits, and the result is still bit-equal to resident weights.
+TEST(StreamingWeightsTest, HeadIsStreamedOnlyForTheLastPass) {
+  Model& model = Tiny();
+  EngineOptions options;
+  options.max_step_tokens = 16;  // 37 tokens: three passes
+  const std::vector<int32_t> prompt = Prompt();
+  auto resident = ResidentRig(model, ExpertPlacement::kDevice, options);
+  ASSERT_NE(resident, nullptr);
+  const PrefillResult want = Prefill(*resident->engine, *resident->cache, prompt);
+  auto slp = SlpRig::Make(model, {.ring_slots = 3, .budget_bytes = 4 << 20}, options);
+  ASSERT_NE(slp, nullptr);
+  StreamingWeights& w = *slp->weights;
+  ASSERT_GT(w.head_bytes(), 0u);
+  for (int round = 0; round < 2; ++round) {  // and the pipeline re-arms for the next prompt
+    ASSERT_TRUE(w.BeginPrefill(3, HeadStreaming::kLastPass).ok());
+    const PrefillResult got = Prefill(*slp->engine, *slp->cache, prompt);
+    auto stats = w.EndPrefill();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(got.logits, want.logits);
+    EXPECT_EQ(got.kv, want.kv);
+    EXPECT_EQ(stats->heads_skipped, 2);
+    EXPECT_EQ(stats->modules_loaded, 3 * w.modules_per_pass() - 2);
+    EXPECT_EQ(stats->bytes_streamed,
+              static_cast<int64_t>(3 * w.bytes_per_pass() - 2 * w.head_bytes()));
+  }
+}
+
+// HeadStreaming::kNever (a DSLP rank > 0): steps without logits run; a step that wants logits
+// fails with FailedPrecondition instead of reading a head that is not there, and the pipeline
+// works again after the abort.
+TEST(StreamingWeightsTest, HeadNeverStreamedServesStepsWithoutLogitsOnly) {
+  Model& model = Tiny();
+  auto slp = SlpRig::Make(model, {.ring_slots = 2, .budget_bytes = 4 << 20});
+  ASSERT_NE(slp, nullptr);
+  StreamingWeights& w = *slp->weights;
+  const std::vector<int32_t> prompt = Prompt();
+  auto resident = ResidentRig(model, ExpertPlacement::kDevice);
+  ASSERT_NE(resident, nullptr);
+  const PrefillResult want = Prefill(*resident->engine, *resident->cache, prompt);
+
+  ASSERT_TRUE(w.BeginPrefill(1, HeadStreaming::kNever).ok());
+  {
+    KvSequence seq = slp->cache->NewSequence();
+    SequenceInput in{&seq, prompt, /*want_logits=*/false};
+    auto out = slp->engine->Forward(std::span<const SequenceInput>(&in, 1));
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_TRUE((*out)[0].empty());
+    std::vector<std::byte> kv(slp->cache->ExportBytes(seq.num_tokens()));
+    auto stream = slp->device->CreateStream();
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(slp->cache->Export(seq, **stream, kv.data(), MemorySpace::kHost).ok());
+    ASSERT_TRUE((*stream)->Synchronize().ok());
+    EXPECT_EQ(kv, want.kv);
+  }
+  auto stats = w.EndPrefill();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->heads_skipped, 1);
+  EXPECT_EQ(stats->bytes_streamed, static_cast<int64_t>(w.bytes_per_pass() - w.head_bytes()));
+
+  ASSERT_TRUE(w.BeginPrefill(1, HeadStreaming::kNever).ok());
+  {
+    KvSequence seq = slp->cache->NewSequence();
+    SequenceInput in{&seq, prompt, /*want_logits=*/true};
+    const absl::Status refused =
+        slp->engine->Forward(std::span<const SequenceInput>(&in, 1)).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_TRUE(absl::StrContains(refused.message(), "did not load the head")) << refused;
+  }
+  ASSERT_TRUE(w.EndPrefill(/*abort=*/true).ok());
+  EXPECT_EQ(slp->Run(prompt).logits, want.logits);
+}
+
 // A DSLP rank streams only its own experts: the schedule leaves the others out, their Acquire
 // is refused, and the loaded modules' device bytes equal the host tensors.
 TEST(StreamingWeightsTest, StreamsASubsetOfExpertsWithExactBytes) {

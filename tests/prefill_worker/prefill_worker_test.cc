@@ -665,9 +665,11 @@ TEST(DslpRunnerTest, RankZeroExportsTheWholePromptLikeSlpInBothEpModes) {
           EXPECT_EQ(got->dslp.world_size, world);
           EXPECT_EQ(got->prompt_tokens, n);
           EXPECT_GT(got->dslp.comm.total_sent(), 0u) << what;
-          // Attention, shared experts and the head on every rank, routed experts split.
+          // Attention and shared experts on every rank, routed experts split, the head (lm_head)
+          // only on rank 0, the one that computes logits.
           EXPECT_LT(got->streaming.bytes_streamed, static_cast<int64_t>(full_pass)) << what;
           EXPECT_EQ(got->streaming.passes, 1);
+          EXPECT_EQ(got->streaming.heads_skipped, rank == 0 ? 0 : 1) << what;
           if (rank > 0) {
             EXPECT_EQ(got->kv, nullptr) << what;
             EXPECT_EQ(got->first_token, -1) << what;
