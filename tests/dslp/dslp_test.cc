@@ -34,6 +34,7 @@
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
 #include "tests/decode_worker/decode_test_util.h"
+#include "tests/dslp/kv_row_errors.h"
 #include "tests/dslp/rank_output.h"
 #include "tests/integration/child_process.h"
 
@@ -317,44 +318,25 @@ KvComparison CompareKv(const std::vector<float>& got, const std::vector<float>& 
   KvComparison c;
   const int64_t layers = config.num_hidden_layers;
   const int64_t top_k = config.num_experts_per_tok;
-  const size_t per_layer = want.size() / layers;
-  const size_t row = per_layer / tokens;
-  std::vector<bool> beyond(tokens, false);
-  for (int64_t l = 0; l < layers; ++l) {
-    double sq = 0;
-    for (size_t i = l * per_layer; i < (l + 1) * per_layer; ++i) {
-      sq += static_cast<double>(want[i]) * want[i];
+  const dslp_test::KvRowSummary rows =
+      dslp_test::SummarizeKvRows(got, want, layers, tokens, kKvRelTolerance);
+  c.layer0_max = rows.layer_max[0];
+  c.worst_within = rows.worst_within;
+  for (const dslp_test::KvRowSummary::Beyond& b : rows.beyond) {
+    const int64_t flip =
+        FirstRoutingFlip(got_routing, want_routing, layers, tokens, top_k, b.token);
+    if (flip >= 0 && flip < b.layer) {
+      ++c.flipped;
+      absl::StrAppendFormat(&c.detail,
+                            " [token %d: routing flip at layer %d, KV %.3f from layer %d]", b.token,
+                            flip, b.error, b.layer);
+    } else {
+      ++c.unexplained;
+      absl::StrAppendFormat(&c.detail, " [token %d: KV %.3f at layer %d, no routing flip before]",
+                            b.token, b.error, b.layer);
     }
-    const double rms = std::max(1e-12, std::sqrt(sq / per_layer));
-    double layer_max = 0;
-    for (int64_t t = 0; t < tokens; ++t) {
-      double err = 0;
-      for (size_t i = 0; i < row; ++i) {
-        const size_t k = l * per_layer + t * row + i;
-        err = std::max(err, std::abs(static_cast<double>(got[k]) - want[k]) / rms);
-      }
-      layer_max = std::max(layer_max, err);
-      if (err <= kKvRelTolerance) {
-        c.worst_within = std::max(c.worst_within, err);
-        continue;
-      }
-      if (beyond[t]) continue;
-      beyond[t] = true;
-      const int64_t flip = FirstRoutingFlip(got_routing, want_routing, layers, tokens, top_k, t);
-      if (flip >= 0 && flip < l) {
-        ++c.flipped;
-        absl::StrAppendFormat(&c.detail,
-                              " [token %d: routing flip at layer %d, KV %.3f from layer %d]", t,
-                              flip, err, l);
-      } else {
-        ++c.unexplained;
-        absl::StrAppendFormat(&c.detail, " [token %d: KV %.3f at layer %d, no routing flip before]",
-                              t, err, l);
-      }
-    }
-    if (l == 0) c.layer0_max = layer_max;
-    absl::StrAppendFormat(&c.detail, " L%d=%.1e", l, layer_max);
   }
+  c.detail += rows.LayerMaxima();
   absl::StrAppendFormat(&c.detail,
                         "; rows within tolerance: worst %.2e; %d routing flip(s) (at most %d)",
                         c.worst_within, c.flipped, KvComparison::MaxFlipped(tokens));

@@ -33,6 +33,7 @@
 #include "proto/decode.grpc.pb.h"
 #include "proto/prefill.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
+#include "tests/dslp/kv_row_errors.h"
 #include "tests/prefill_worker/handoff_test_util.h"
 
 namespace hmoe::prefill {
@@ -101,47 +102,6 @@ absl::StatusOr<std::vector<float>> ReadHandOff(const HandOffEnv& env,
   std::vector<float> kv(payload.size() / sizeof(float));
   std::memcpy(kv.data(), payload.data(), kv.size() * sizeof(float));
   return kv;
-}
-
-struct KvComparison {
-  double layer0_max = 0;    // layer 0: must be 0
-  double worst_within = 0;  // largest error among the rows within the tolerance
-  int beyond = 0;           // tokens with a row beyond the tolerance
-  std::string detail;
-};
-
-KvComparison CompareKv(const std::vector<float>& got, const std::vector<float>& want,
-                       int64_t layers, int64_t tokens) {
-  KvComparison c;
-  const size_t per_layer = want.size() / layers;
-  const size_t row = per_layer / tokens;
-  std::vector<bool> beyond(tokens, false);
-  for (int64_t l = 0; l < layers; ++l) {
-    double sq = 0;
-    for (size_t i = l * per_layer; i < (l + 1) * per_layer; ++i) {
-      sq += static_cast<double>(want[i]) * want[i];
-    }
-    const double rms = std::max(1e-12, std::sqrt(sq / per_layer));
-    double layer_max = 0;
-    for (int64_t t = 0; t < tokens; ++t) {
-      double err = 0;
-      for (size_t i = 0; i < row; ++i) {
-        const size_t k = l * per_layer + t * row + i;
-        err = std::max(err, std::abs(static_cast<double>(got[k]) - want[k]) / rms);
-      }
-      layer_max = std::max(layer_max, err);
-      if (err <= kKvRelTolerance) {
-        c.worst_within = std::max(c.worst_within, err);
-      } else if (!beyond[t]) {
-        beyond[t] = true;
-        ++c.beyond;
-        absl::StrAppendFormat(&c.detail, " [token %d: %.3f from layer %d]", t, err, l);
-      }
-    }
-    if (l == 0) c.layer0_max = layer_max;
-    absl::StrAppendFormat(&c.detail, " L%d=%.1e", l, layer_max);
-  }
-  return c;
 }
 
 struct Case {
@@ -225,14 +185,20 @@ TEST_P(PrefillWorkerDslpTest, MatchesSingleWorkerSlpAndTheDecodeWorkerContinuesI
   auto dslp_kv = ReadHandOff(env, r0);
   ASSERT_TRUE(dslp_kv.ok()) << dslp_kv.status();
   ASSERT_EQ(dslp_kv->size(), slp_kv->size());
-  const KvComparison kv = CompareKv(*dslp_kv, *slp_kv, config.num_hidden_layers, c.prompt_len);
-  EXPECT_EQ(kv.layer0_max, 0.0) << "layer 0's KV is computed by the same per-token ops";
-  EXPECT_LE(kv.beyond, MaxRoutingFlips(c.prompt_len)) << kv.detail;
+  const dslp_test::KvRowSummary kv = dslp_test::SummarizeKvRows(
+      *dslp_kv, *slp_kv, config.num_hidden_layers, c.prompt_len, kKvRelTolerance);
+  std::string beyond;
+  for (const dslp_test::KvRowSummary::Beyond& b : kv.beyond) {
+    absl::StrAppendFormat(&beyond, " [token %d: %.3f from layer %d]", b.token, b.error, b.layer);
+  }
+  EXPECT_EQ(kv.layer_max[0], 0.0) << "layer 0's KV is computed by the same per-token ops";
+  EXPECT_LE(static_cast<int>(kv.beyond.size()), MaxRoutingFlips(c.prompt_len))
+      << beyond << kv.LayerMaxima();
   std::printf(
-      "[ DSLP workers ] %s: first token %d (SLP %d); KV rows within %.2g: worst %.2e, %d token(s) "
-      "beyond (routing flips, at most %d):%s\n",
+      "[ DSLP workers ] %s: first token %d (SLP %d); KV rows within %.2g: worst %.2e, %zu token(s) "
+      "beyond (routing flips, at most %d):%s%s\n",
       id.c_str(), r0.first_token_id(), slp.first_token_id(), kKvRelTolerance, kv.worst_within,
-      kv.beyond, MaxRoutingFlips(c.prompt_len), kv.detail.c_str());
+      kv.beyond.size(), MaxRoutingFlips(c.prompt_len), beyond.c_str(), kv.LayerMaxima().c_str());
 
   // The decode worker continues from the DSLP hand-off; then the export is released.
   decode::v1::AdmitRequest admit = testing::HandOff(id, prompt, r0);
