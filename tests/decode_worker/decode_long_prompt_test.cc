@@ -296,6 +296,9 @@ TEST(DecodeLongPromptTest, FourKPromptOnSmallHasBoundedMemoryAndAgreesWithRefere
       100.0 * std::sqrt(err_sq / ref_sq), std::sqrt(ref_sq / count), max_err, a.divergences,
       a.steps, a.exempt, a.detail.c_str());
   EXPECT_TRUE(a.ok()) << a.detail;
+  // The rule as stated, every divergence counted, with small's tolerance.
+  EXPECT_TRUE(a.ok(testing::kSmallMarginTolerance))
+      << "worst margin " << a.worst_margin_all << ":" << a.detail;
   EXPECT_LE(flips, positions / 20) << "routing flips are not rare";
 }
 

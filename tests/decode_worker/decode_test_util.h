@@ -42,6 +42,14 @@ namespace hmoe::decode::testing {
 // reaches ~3.7 for that token only. A token may differ from the reference's where the reference's
 // top two are closer than this tolerance.
 inline constexpr float kMarginTolerance = 0.5f;
+// The stated tolerance of the `small` checkpoint (8 layers, 32 experts, group-limited top-4),
+// whose MoE routing has many more near-ties than tiny's: where the engine's BF16 activations
+// resolve one the other way (a routing flip), that token's logits move by up to ~1.2, and the
+// reference's top-2 margin at a divergence caused by a flip reaches 1.16 in these tests. The
+// `small` tests check the rule with this tolerance (Agreement::ok(kSmallMarginTolerance),
+// every divergence counted) and, more strictly, kMarginTolerance everywhere except at steps whose
+// routing is observed to have flipped (CheckAgreementWithRoutingFlips).
+inline constexpr float kSmallMarginTolerance = 1.25f;
 
 class ScopedTempDir {
  public:
@@ -75,13 +83,18 @@ inline absl::Status WritePreset(const std::string& name, const std::string& dir)
 
 struct Agreement {
   int steps = 0;
-  int divergences = 0;        // steps where the token is not the reference's arg-max
-  int exempt = 0;             // divergent steps exempted (routing flips, see Evaluate)
-  float worst_margin = 0.0f;  // largest (reference max - reference logit of the token) there
-  std::string detail;         // the divergent steps, for failure messages
+  int divergences = 0;            // steps where the token is not the reference's arg-max
+  int exempt = 0;                 // divergent steps exempted (routing flips, see Evaluate)
+  float worst_margin = 0.0f;      // largest (reference max - reference logit of the token) there
+  float worst_margin_all = 0.0f;  // the same over every divergent step, exempt ones included
+  std::string detail;             // the divergent steps, for failure messages
   // The rule, plus rarity: at most 2 + steps / 32 divergent steps (4 of 64), so a systematic
-  // error cannot hide under the tolerance.
+  // error cannot hide under the tolerance. Exempt steps are left out.
   bool ok() const { return worst_margin < kMarginTolerance && divergences <= 2 + steps / 32; }
+  // The rule with `tolerance`, every divergent step counted (no exemption).
+  bool ok(float tolerance) const {
+    return worst_margin_all < tolerance && divergences + exempt <= 2 + steps / 32;
+  }
 };
 
 // The reference run over prompt + tokens[:-1] (teacher forcing): logits row
@@ -124,6 +137,7 @@ inline Agreement Evaluate(const ReferenceRun& run, const std::vector<int32_t>& t
     ++a.steps;
     if (best == tokens[i]) continue;
     const float margin = row[best] - row[tokens[i]];
+    a.worst_margin_all = std::max(a.worst_margin_all, margin);
     if (exempt != nullptr && i < exempt->size() && (*exempt)[i]) {
       ++a.exempt;
       absl::StrAppend(&a.detail, " step ", i, ": token ", tokens[i], " vs reference ", best,
