@@ -70,25 +70,19 @@ constexpr int kExitBadFlags = 2;
 int Run() {
   const absl::Time start = absl::Now();
   // --- flags
-  const std::string model_dir = absl::GetFlag(FLAGS_model);
-  const std::string instance = absl::GetFlag(FLAGS_weightd_instance);
-  const std::string socket_path = absl::GetFlag(FLAGS_socket);
-  if (model_dir.empty() == instance.empty()) {
-    HMOE_LOG(ERROR) << "give exactly one of --model DIR and --weightd-instance NAME";
+  absl::StatusOr<rpc::WorkerSourceFlags> source =
+      rpc::CheckWorkerSourceFlags(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weightd_instance),
+                                  absl::GetFlag(FLAGS_socket), absl::GetFlag(FLAGS_device));
+  if (!source.ok()) {
+    HMOE_LOG(ERROR) << source.status().message();
     return kExitBadFlags;
   }
-  if (socket_path.empty()) {
-    HMOE_LOG(ERROR) << "--socket PATH is required";
+  const std::string& socket_path = source->socket_path;
+  const DeviceSpec device_spec = source->device;
+  absl::StatusOr<bool> dual = ResolveDualBatch(absl::GetFlag(FLAGS_dual_batch), device_spec.kind);
+  if (!dual.ok()) {
+    HMOE_LOG(ERROR) << dual.status().message();
     return kExitBadFlags;
-  }
-  absl::StatusOr<DeviceSpec> device_spec = ParseDeviceFlag(absl::GetFlag(FLAGS_device));
-  absl::StatusOr<bool> dual = absl::StatusOr<bool>(false);
-  if (device_spec.ok()) dual = ResolveDualBatch(absl::GetFlag(FLAGS_dual_batch), device_spec->kind);
-  for (const absl::Status& s : {device_spec.status(), dual.status()}) {
-    if (!s.ok()) {
-      HMOE_LOG(ERROR) << s.message();
-      return kExitBadFlags;
-    }
   }
   SchedulerOptions sched_options;
   sched_options.batch_size = absl::GetFlag(FLAGS_batch_size);
@@ -120,7 +114,8 @@ int Run() {
   rpc::StopSignalWatcher signals;
 
   // --- weights, device, engine
-  absl::StatusOr<shm::WeightSourceHolder> weights = shm::OpenWeights(model_dir, instance);
+  absl::StatusOr<shm::WeightSourceHolder> weights =
+      shm::OpenWeights(source->model_dir, source->instance);
   if (!weights.ok()) {
     HMOE_LOG(ERROR) << "open weights: " << weights.status().message();
     return kExitError;
@@ -133,20 +128,15 @@ int Run() {
     HMOE_LOG(ERROR) << "cpu worker pool: " << pool.status().message();
     return kExitError;
   }
-  std::unique_ptr<Device> device;
-  if (device_spec->kind == DeviceKind::kCpu) {
-    CpuDeviceOptions cpu_options;
-    cpu_options.pool = pool->get();
-    device = NewCpuDevice(cpu_options);
-  } else {
-    absl::StatusOr<std::unique_ptr<Device>> cuda = NewCudaDevice(device_spec->ordinal);
-    if (!cuda.ok()) {
-      HMOE_LOG(ERROR) << "--device cuda:" << device_spec->ordinal << ": " << cuda.status().message()
-                      << " (use --device cpu on a machine without a usable GPU)";
-      return kExitError;
-    }
-    device = *std::move(cuda);
+  CpuDeviceOptions cpu_options;
+  cpu_options.pool = pool->get();
+  absl::StatusOr<std::unique_ptr<Device>> new_device =
+      rpc::NewWorkerDevice(device_spec, cpu_options, /*cuda_budget_bytes=*/0);
+  if (!new_device.ok()) {
+    HMOE_LOG(ERROR) << new_device.status().message();
+    return kExitError;
   }
+  std::unique_ptr<Device> device = *std::move(new_device);
   absl::StatusOr<int64_t> kv_blocks =
       ResolveKvBlocks(kv_blocks_flag, kv_memory_mb, KvBlockBytes(weights->config, block_tokens));
   if (!kv_blocks.ok()) {
@@ -172,7 +162,7 @@ int Run() {
   // Shared-memory hand-offs, and CUDA IPC ones (into the attention GPU's pool, or through host
   // memory when attention runs on the CPU).
   KvImportTarget import_target;
-  if (device_spec->kind == DeviceKind::kCuda) import_target.cuda_device = device_spec->ordinal;
+  if (device_spec.kind == DeviceKind::kCuda) import_target.cuda_device = device_spec.ordinal;
   std::unique_ptr<KvImporter> importer = NewKvImporter(import_target);
   if (signals.StopRequested()) {
     HMOE_LOG(INFO) << "stopped while starting";
@@ -180,21 +170,15 @@ int Run() {
   }
 
   // --- gRPC
-  grpc::EnableDefaultHealthCheckService(true);
   DecodeServiceImpl service(scheduler->get(), engine->get(), importer.get(),
                             DecodeServiceInfo{worker_id, (*engine)->device_name()});
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    HMOE_LOG(ERROR) << "cannot serve gRPC on unix:" << socket_path;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> serving =
+      rpc::ServeOnUnixSocket(socket_path, &service, kServiceName);
+  if (!serving.ok()) {
+    HMOE_LOG(ERROR) << serving.status().message();
     return kExitError;
   }
-  ::chmod(socket_path.c_str(), 0600);
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
+  grpc::Server* server = serving->get();
   HMOE_LOG(INFO) << "SERVING on unix:" << socket_path << " as " << worker_id << ": "
                  << weights->description << ", device " << (*engine)->device_name() << ", "
                  << (*pool)->num_threads() << " cpu threads, batch " << sched_options.batch_size
@@ -235,8 +219,7 @@ int Run() {
 
   // --- drain on SIGTERM
   signals.WaitForStop();
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
+  rpc::SetServing(*server, kServiceName, false);
   (*scheduler)->StopAdmitting();
   const bool drained = (*scheduler)->WaitIdle(absl::Now() + absl::Seconds(drain_seconds));
   if (!drained) {

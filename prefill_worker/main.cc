@@ -109,23 +109,16 @@ std::string ExportPrefix(const std::string& worker_id) {
 int Run() {
   const absl::Time start = absl::Now();
   // --- flags
-  const std::string model_dir = absl::GetFlag(FLAGS_model);
-  const std::string instance = absl::GetFlag(FLAGS_weightd_instance);
-  const std::string socket_path = absl::GetFlag(FLAGS_socket);
-  if (model_dir.empty() == instance.empty()) {
-    HMOE_LOG(ERROR) << "give exactly one of --model DIR and --weightd-instance NAME";
+  absl::StatusOr<rpc::WorkerSourceFlags> source =
+      rpc::CheckWorkerSourceFlags(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weightd_instance),
+                                  absl::GetFlag(FLAGS_socket), absl::GetFlag(FLAGS_device));
+  if (!source.ok()) {
+    HMOE_LOG(ERROR) << source.status().message();
     return kExitBadFlags;
   }
-  if (socket_path.empty()) {
-    HMOE_LOG(ERROR) << "--socket PATH is required";
-    return kExitBadFlags;
-  }
-  absl::StatusOr<rpc::DeviceSpec> device_spec = rpc::ParseDeviceFlag(absl::GetFlag(FLAGS_device));
-  if (!device_spec.ok()) {
-    HMOE_LOG(ERROR) << device_spec.status().message();
-    return kExitBadFlags;
-  }
-  const bool cuda = device_spec->kind == DeviceKind::kCuda;
+  const std::string& socket_path = source->socket_path;
+  const rpc::DeviceSpec device_spec = source->device;
+  const bool cuda = device_spec.kind == DeviceKind::kCuda;
   const std::string kv_export = absl::GetFlag(FLAGS_kv_export);
   KvExportKind export_kind = KvExportKind::kShm;
   if (kv_export == "cuda-ipc" || (kv_export == "auto" && cuda)) {
@@ -199,7 +192,8 @@ int Run() {
   }
 
   // --- weights, device, runner
-  absl::StatusOr<shm::WeightSourceHolder> weights = shm::OpenWeights(model_dir, instance);
+  absl::StatusOr<shm::WeightSourceHolder> weights =
+      shm::OpenWeights(source->model_dir, source->instance);
   if (!weights.ok()) {
     HMOE_LOG(ERROR) << "open weights: " << weights.status().message();
     return kExitError;
@@ -213,22 +207,19 @@ int Run() {
     return kExitError;
   }
   const size_t budget = static_cast<size_t>(device_memory_mb) << 20;
-  std::unique_ptr<Device> device;
+  CpuDeviceOptions cpu_options;
+  cpu_options.pool = pool->get();
+  cpu_options.budget_bytes = budget;
+  cpu_options.copy_bytes_per_second = copy_gbps * 1e9;
+  absl::StatusOr<std::unique_ptr<Device>> new_device =
+      rpc::NewWorkerDevice(device_spec, cpu_options, budget);
+  if (!new_device.ok()) {
+    HMOE_LOG(ERROR) << new_device.status().message();
+    return kExitError;
+  }
+  std::unique_ptr<Device> device = *std::move(new_device);
   std::vector<ScopedHostRegister> registered;
-  if (!cuda) {
-    CpuDeviceOptions cpu_options;
-    cpu_options.pool = pool->get();
-    cpu_options.budget_bytes = budget;
-    cpu_options.copy_bytes_per_second = copy_gbps * 1e9;
-    device = NewCpuDevice(cpu_options);
-  } else {
-    absl::StatusOr<std::unique_ptr<Device>> dev = NewCudaDevice(device_spec->ordinal, budget);
-    if (!dev.ok()) {
-      HMOE_LOG(ERROR) << "--device cuda:" << device_spec->ordinal << ": " << dev.status().message()
-                      << " (use --device cpu on a machine without a usable GPU)";
-      return kExitError;
-    }
-    device = *std::move(dev);
+  if (cuda) {
     // H2D copies read weightd's mapping directly: page-lock it read-only once, so every copy is
     // an asynchronous DMA at full PCIe speed with no staging copy.
     if (weights->store != nullptr) {
@@ -260,7 +251,7 @@ int Run() {
   so.dslp_ep_mode = *ep_mode;
   so.dslp_join.join_timeout = absl::Seconds(dslp_join_timeout);
   so.dslp_join.peer_timeout = absl::Seconds(dslp_peer_timeout);
-  so.dslp_join.cuda_ordinal = cuda ? device_spec->ordinal : 0;
+  so.dslp_join.cuda_ordinal = cuda ? device_spec.ordinal : 0;
   auto scheduler = std::make_unique<PrefillScheduler>(runner->get(), exports.get(), so);
   if (signals.StopRequested()) {
     HMOE_LOG(INFO) << "stopped while starting";
@@ -268,21 +259,15 @@ int Run() {
   }
 
   // --- gRPC
-  grpc::EnableDefaultHealthCheckService(true);
   PrefillServiceImpl service(scheduler.get(), exports.get(), runner->get(),
                              PrefillServiceInfo{worker_id, device->name()});
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    HMOE_LOG(ERROR) << "cannot serve gRPC on unix:" << socket_path;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> serving =
+      rpc::ServeOnUnixSocket(socket_path, &service, kServiceName);
+  if (!serving.ok()) {
+    HMOE_LOG(ERROR) << serving.status().message();
     return kExitError;
   }
-  ::chmod(socket_path.c_str(), 0600);
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
+  grpc::Server* server = serving->get();
   const SlpRunner& r = **runner;
   HMOE_LOG(INFO) << "SERVING on unix:" << socket_path << " as " << worker_id << ": "
                  << weights->description << ", device " << device->name() << " (in use "
@@ -329,8 +314,7 @@ int Run() {
   // --- drain on SIGTERM: finish what runs and is queued, give the router time to release the
   // exports, then free whatever is left.
   signals.WaitForStop();
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
+  rpc::SetServing(*server, kServiceName, false);
   scheduler->StopAccepting();
   const absl::Time drain_deadline = absl::Now() + absl::Seconds(drain_seconds);
   if (!scheduler->WaitIdle(drain_deadline)) {

@@ -13,6 +13,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
 
 #include "common/base/logging.h"
 
@@ -32,6 +34,58 @@ absl::StatusOr<DeviceSpec> ParseDeviceFlag(const std::string& value) {
     return DeviceSpec{DeviceKind::kCuda, ordinal};
   }
   return absl::InvalidArgumentError(absl::StrCat("--device: \"", value, "\" is not cpu or cuda:N"));
+}
+
+absl::StatusOr<WorkerSourceFlags> CheckWorkerSourceFlags(const std::string& model_dir,
+                                                         const std::string& instance,
+                                                         const std::string& socket_path,
+                                                         const std::string& device_flag) {
+  if (model_dir.empty() == instance.empty()) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --model DIR and --weightd-instance NAME");
+  }
+  if (socket_path.empty()) return absl::InvalidArgumentError("--socket PATH is required");
+  absl::StatusOr<DeviceSpec> device = ParseDeviceFlag(device_flag);
+  if (!device.ok()) return device.status();
+  return WorkerSourceFlags{model_dir, instance, socket_path, *device};
+}
+
+absl::StatusOr<std::unique_ptr<Device>> NewWorkerDevice(const DeviceSpec& spec,
+                                                        const CpuDeviceOptions& cpu,
+                                                        size_t cuda_budget_bytes) {
+  if (spec.kind == DeviceKind::kCpu) return NewCpuDevice(cpu);
+  absl::StatusOr<std::unique_ptr<Device>> cuda = NewCudaDevice(spec.ordinal, cuda_budget_bytes);
+  if (!cuda.ok()) {
+    return absl::Status(cuda.status().code(),
+                        absl::StrCat("--device cuda:", spec.ordinal, ": ", cuda.status().message(),
+                                     " (use --device cpu on a machine without a usable GPU)"));
+  }
+  return cuda;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> ServeOnUnixSocket(const std::string& socket_path,
+                                                                grpc::Service* service,
+                                                                const std::string& service_name) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
+  }
+  if (::chmod(socket_path.c_str(), 0600) != 0) {
+    HMOE_LOG(WARNING) << "chmod 0600 " << socket_path << ": " << std::strerror(errno);
+  }
+  SetServing(*server, service_name, true);
+  return server;
+}
+
+void SetServing(grpc::Server& server, const std::string& service_name, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus(serving);
+  health->SetServingStatus(service_name, serving);
 }
 
 absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value) {
