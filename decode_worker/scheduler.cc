@@ -349,15 +349,24 @@ bool Scheduler::RunOneStep() {
   std::vector<StepInput> inputs;
   std::vector<Active*> owners;
   std::vector<int64_t> prefill_tokens;  // per input; 0 for a decode token
-  bool have_prefill = false;
+  // Prompt tokens this step may still take: whole chunks of the prefilling requests, oldest
+  // first, while they fit in one chunk's worth; the first that does not fit ends the packing
+  // (FIFO: no younger prompt overtakes it). A request's chunks are always the next chunk_size
+  // tokens of its own prompt, whatever else shares the step.
+  int64_t prefill_budget = options_.chunk_size;
+  bool prefill_closed = false;
   for (auto& ap : running_) {
     Active& a = *ap;
     if (a.finished) continue;
     if (a.prefilling()) {
-      if (have_prefill) continue;  // one prefill chunk per step
-      have_prefill = true;
+      if (prefill_closed) continue;
       const int64_t remaining = a.request.prompt_tokens() - a.prompt_done;
       const int64_t n = std::min(remaining, options_.chunk_size);
+      if (n > prefill_budget) {
+        prefill_closed = true;
+        continue;
+      }
+      prefill_budget -= n;
       StepInput in;
       in.sequence = a.sequence.get();
       in.tokens = std::span<const int32_t>(a.request.prompt).subspan(a.prompt_done, n);

@@ -13,11 +13,15 @@
 //   life (prompt + max_new_tokens; so a running request never runs out of KV). The first request
 //   that does not fit blocks the queue (no overtaking: FIFO fairness). A KV hand-off is imported
 //   when its request joins (then KvImported is sent and the source unmapped: the ack).
-// - Steps. Every step carries one decode token of every running request past its prompt, plus at
-//   most one prefill chunk: the next chunk_size tokens (or the rest) of the oldest running request
-//   still prefilling. A prompt of P tokens thus takes ceil(P / chunk_size) steps, during which the
-//   other requests keep decoding one token per step. Logits are computed for a prefill chunk only
-//   when it is the prompt's last; the first token is sampled from them.
+// - Steps. Every step carries one decode token of every running request past its prompt, plus
+//   prefill chunks within a budget of chunk_size prompt tokens: the next chunk_size tokens (or
+//   the rest) of the oldest running request still prefilling, then, while they fit in what is
+//   left of the budget, the next chunks of the younger ones in FIFO order (the first that does
+//   not fit ends the packing). A request's chunks never depend on what shares its step, so a
+//   prompt of P tokens takes ceil(P / chunk_size) chunks; a burst of short prompts is prefilled
+//   together, and the running requests keep decoding one token per step behind at most
+//   chunk_size prompt tokens. Logits are computed for a prefill chunk only when it is the
+//   prompt's last; the first token is sampled from them.
 // - Dual batch. With dual_batch on and >= 2 inputs in a step, the inputs are split into two
 //   micro-batches of balanced token counts that overlap attention and MoE (StepRunner).
 // - Stops. EOS (unless ignore_eos), a stop token id (neither is streamed) or max_new_tokens.
@@ -51,7 +55,7 @@ namespace hmoe::decode {
 struct SchedulerOptions {
   // Target running batch size Y (paper §3.3.2): requests decoding (or prefilling) together.
   int batch_size = 6;
-  // Prompt tokens per prefill chunk (one chunk per step).
+  // Prompt tokens per prefill chunk, and per step (several short chunks may share a step).
   int64_t chunk_size = 512;
   // Admitted requests waiting for a slot or KV blocks; beyond it Submit is ResourceExhausted.
   int max_waiting = 64;

@@ -192,8 +192,9 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
   EXPECT_EQ(oa.tokens, FakeGreedy(Prompt(2, 1), 12, 97));
   EXPECT_EQ(ob.tokens, FakeGreedy(Prompt(23, 2), 4, 97));
 
-  // Step 1: the short prompt (2 tokens) alone (one chunk per step). Then the long prompt's chunks
-  // 5,5,5,5,3 ride along with the short request's decode tokens.
+  // Step 1: the short prompt (2 tokens) alone (the long prompt's first chunk of 5 does not fit in
+  // the 3 tokens left of the step's budget). Then the long prompt's chunks 5,5,5,5,3 ride along
+  // with the short request's decode tokens.
   const std::vector<testing::StepRecord> steps = engine.steps();
   ASSERT_GE(steps.size(), 6u);
   EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{2}));
@@ -208,11 +209,76 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
       EXPECT_LE(n, 5);
       if (n > 1) ++multi;
     }
-    EXPECT_LE(multi, 1) << "two prefill chunks in one step";
+    EXPECT_LE(multi, 1) << "two prefill chunks above the budget in one step";
     prefill_inputs += multi;
   }
   EXPECT_EQ(prefill_inputs, 6);  // the short prompt's chunk and the long one's five
   EXPECT_EQ(scheduler->stats().prompt_tokens_prefilled, 25);
+}
+
+// Runs `prompts` (submitted in order while a blocker request holds the first step, so they all
+// join the batch at the next step boundary) and returns the steps after the blocker's prefill.
+std::vector<testing::StepRecord> StepsAfterBlocker(const std::vector<int>& prompts, int max_new) {
+  FakeStepEngine engine;
+  SchedulerOptions options = SmallChunks();  // chunk 8
+  options.batch_size = 6;
+  options.dual_batch = false;
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
+  engine.HoldSteps();
+  auto blocker = scheduler->Submit(Greedy("blocker", Prompt(8, 9), max_new + 8));
+  EXPECT_TRUE(blocker.ok()) << blocker.status();
+  while (engine.blocked_steps() == 0) absl::SleepFor(absl::Milliseconds(1));
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto ch = scheduler->Submit(
+        Greedy(absl::StrCat("r", i), Prompt(prompts[i], static_cast<int>(i)), max_new));
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    if (ch.ok()) channels.push_back(*ch);
+  }
+  engine.ReleaseSteps();
+  for (size_t i = 0; i < channels.size(); ++i) {
+    EXPECT_EQ(Collect(*channels[i]).tokens,
+              FakeGreedy(Prompt(prompts[i], static_cast<int>(i)), max_new, 97))
+        << "request " << i;
+  }
+  if (blocker.ok()) Collect(**blocker);
+  std::vector<testing::StepRecord> steps = engine.steps();
+  EXPECT_FALSE(steps.empty());
+  if (!steps.empty()) {
+    EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{8}));
+    steps.erase(steps.begin());
+  }
+  return steps;
+}
+
+TEST(SchedulerTest, ShortPromptsShareAStepUpToOneChunkInFifoOrder) {
+  // Prompts of 3, 4, 6 and 1 tokens, chunk 8: the first step after the blocker takes 3 + 4; the
+  // 6 does not fit in the remaining 1 and ends the packing, so the 1 does not overtake it.
+  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 4, 6, 1}, 3);
+  ASSERT_GE(steps.size(), 3u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3, 4}));
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 1, 6, 1}));
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 1, 1, 1, 1}));
+  for (const auto& s : steps) {
+    int64_t prefill = 0;
+    for (size_t i = 1; i < s.token_counts.size(); ++i) {
+      if (s.token_counts[i] > 1) prefill += s.token_counts[i];
+    }
+    EXPECT_LE(prefill, 8) << "more than one chunk of prompt tokens in a step";
+  }
+}
+
+TEST(SchedulerTest, PromptChunksDoNotDependOnWhatSharesTheStep) {
+  // Prompts of 3, 20 and 2 tokens, chunk 8. The 20-token prompt is always cut 8, 8, 4 — never 5
+  // to fill the step the 3-token prompt leaves — and the 2-token prompt behind it waits (FIFO)
+  // until it shares the step of the 4-token tail.
+  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 20, 2}, 2);
+  ASSERT_GE(steps.size(), 5u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 8}));
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 8}));
+  EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{1, 4, 2}));
+  EXPECT_EQ(steps[4].token_counts, (std::vector<int64_t>{1, 1, 1}));
 }
 
 TEST(SchedulerTest, RunningBatchNeverExceedsBatchSize) {
