@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -25,12 +26,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include <gtest/gtest.h>
 
 #include "common/device/cpu_device.h"
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
 #include "decode_worker/engine_step_engine.h"
+#include "tests/integration/temp_dir.h"
 #include "tools/model_writer.h"
 
 namespace hmoe::decode::testing {
@@ -51,25 +54,28 @@ inline constexpr float kMarginTolerance = 0.5f;
 // routing is observed to have flipped (CheckAgreementWithRoutingFlips).
 inline constexpr float kSmallMarginTolerance = 1.25f;
 
-class ScopedTempDir {
+// A temp dir (hmoe_decode.XXXXXX) removed on destruction.
+class ScopedTempDir : public ::hmoe::testing::TempDir {
  public:
-  ScopedTempDir() {
-    const char* base = std::getenv("TEST_TMPDIR");
-    std::string tmpl =
-        absl::StrCat(base != nullptr && *base ? base : "/tmp", "/hmoe_decode.XXXXXX");
-    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;  // mode 0700
-  }
-  ~ScopedTempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  ScopedTempDir(const ScopedTempDir&) = delete;
-  ScopedTempDir& operator=(const ScopedTempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return absl::StrCat(path_, "/", name); }
+  ScopedTempDir() : TempDir("hmoe_decode") {}
+};
+
+// Runs a function after the last test of the binary: a gtest global environment, registered
+// at namespace scope before main (gtest.h documents the idiom):
+//   [[maybe_unused]] ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(
+//       new testing::TearDownAfterLastTest([] { Models().clear(); }));
+// For fixtures that the cases of a binary share through a function-local static cache (a
+// checkpoint written into a ScopedTempDir, worker processes): ctest runs every case as its own
+// process, so a cache left for the OS to reclaim leaks its temp dir — 400 MB for `small` — on
+// every case of every run.
+class TearDownAfterLastTest : public ::testing::Environment {
+ public:
+  explicit TearDownAfterLastTest(std::function<void()> tear_down)
+      : tear_down_(std::move(tear_down)) {}
+  void TearDown() override { tear_down_(); }
 
  private:
-  std::string path_;
+  std::function<void()> tear_down_;
 };
 
 // Writes preset `name` (FP8, seed 0) to `dir`.

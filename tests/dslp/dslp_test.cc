@@ -64,9 +64,16 @@ struct Model {
   std::unique_ptr<reference::ReferenceModel> reference;
 };
 
+// The models by preset, written on first use and removed after the last test.
+std::map<std::string, std::unique_ptr<Model>>& Models() {
+  static auto* const models = new std::map<std::string, std::unique_ptr<Model>>();
+  return *models;
+}
+[[maybe_unused]] ::testing::Environment* const kRemoveModels = ::testing::AddGlobalTestEnvironment(
+    new decode::testing::TearDownAfterLastTest([] { Models().clear(); }));
+
 Model& GetModel(const std::string& preset) {
-  static std::map<std::string, std::unique_ptr<Model>>* const models =
-      new std::map<std::string, std::unique_ptr<Model>>();
+  std::map<std::string, std::unique_ptr<Model>>* const models = &Models();
   auto it = models->find(preset);
   if (it != models->end()) return *it->second;
   auto m = std::make_unique<Model>();

@@ -25,32 +25,9 @@
 #include "common/base/mapped_file.h"
 #include "common/model/dtype.h"
 #include "common/model/tensor.h"
+#include "tests/integration/temp_dir.h"
 
 namespace hmoe::testing {
-
-// A fresh directory under the test temp dir, removed with its contents on destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = ::testing::TempDir() + "hmoe_model_test.XXXXXX";
-    char* p = ::mkdtemp(tmpl.data());
-    EXPECT_NE(p, nullptr) << "mkdtemp " << tmpl;
-    path_ = tmpl;
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string File(std::string_view name) const {
-    return absl::StrCat(path_, "/", absl::string_view(name.data(), name.size()));
-  }
-
- private:
-  std::string path_;
-};
 
 // "model-0000<i+1>-of-0000<n>.safetensors", as Hugging Face names shards.
 inline std::string ShardName(size_t i, size_t n) {

@@ -61,9 +61,17 @@ struct Stack {
   std::unique_ptr<Process> decode;
 };
 
-Stack* GetStack(const std::string& preset) {
+// The stacks by preset, started on first use; stopped and their temp dirs removed after the
+// last test.
+std::map<std::string, std::unique_ptr<Stack>>& Stacks() {
   static auto* const stacks = new std::map<std::string, std::unique_ptr<Stack>>();
-  std::unique_ptr<Stack>& s = (*stacks)[preset];
+  return *stacks;
+}
+[[maybe_unused]] ::testing::Environment* const kStopStacks = ::testing::AddGlobalTestEnvironment(
+    new ::hmoe::decode::testing::TearDownAfterLastTest([] { Stacks().clear(); }));
+
+Stack* GetStack(const std::string& preset) {
+  std::unique_ptr<Stack>& s = Stacks()[preset];
   if (s != nullptr) return s.get();
   auto stack = std::make_unique<Stack>();
   stack->env = testing::MakeHandOffEnv(preset);

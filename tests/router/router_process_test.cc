@@ -25,6 +25,7 @@
 #include "proto/reflection.grpc.pb.h"
 #include "proto/worker_registry.grpc.pb.h"
 #include "tests/integration/child_process.h"
+#include "tests/integration/temp_dir.h"
 
 #include "gtest/gtest.h"
 
@@ -64,10 +65,7 @@ struct RunResult {
 
 class RouterProcessTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = absl::StrCat(::testing::TempDir(), "/router_process_", getpid());
-    mkdir(dir_.c_str(), 0700);
-  }
+  void SetUp() override { ASSERT_FALSE(dir_.empty()); }
 
   RunResult Client(std::vector<std::string> args) {
     static int counter = 0;
@@ -89,7 +87,8 @@ class RouterProcessTest : public ::testing::Test {
     return result;
   }
 
-  std::string dir_;
+  ::hmoe::testing::TempDir temp_dir_{"hmoe_router_process"};  // removed after the test
+  const std::string dir_ = temp_dir_.path();
 };
 
 TEST_F(RouterProcessTest, ServesHealthStatusAndGenerationThroughAFakeWorker) {

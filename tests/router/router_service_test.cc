@@ -34,6 +34,7 @@
 #include "router/registry_service.h"
 #include "router/router.h"
 #include "router/worker_registry.h"
+#include "tests/integration/temp_dir.h"
 #include "tests/router/fake_decode_client.h"
 
 #include "gtest/gtest.h"
@@ -71,6 +72,14 @@ class RouterServiceTest : public ::testing::Test {
   }
   void TearDown() override {
     if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  }
+
+  // A directory for this test's unix sockets, created on first use and removed after the test.
+  std::string TempSocketDir() {
+    if (socket_dir_ == nullptr) {
+      socket_dir_ = std::make_unique<::hmoe::testing::TempDir>("hmoe_router_test");
+    }
+    return socket_dir_->path();
   }
 
   void AddDecodeWorker(const std::string& id, Script script, std::string endpoint = "") {
@@ -131,6 +140,7 @@ class RouterServiceTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> server_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Hmoe::Stub> stub_;
+  std::unique_ptr<::hmoe::testing::TempDir> socket_dir_;
 };
 
 TEST_F(RouterServiceTest, StreamsTokensThenFinished) {
@@ -521,12 +531,6 @@ class FakePrefillService final : public pv1::PrefillService::Service {
   absl::Mutex mu_;
   std::vector<std::string> released_ ABSL_GUARDED_BY(mu_);
 };
-
-std::string TempSocketDir() {
-  std::string dir = absl::StrCat(::testing::TempDir(), "/router_test_", getpid());
-  mkdir(dir.c_str(), 0700);
-  return dir;
-}
 
 TEST_F(RouterServiceTest, GrpcDecodeClientRelaysARealDecodeService) {
   const std::string socket = TempSocketDir() + "/echo.sock";
