@@ -49,6 +49,8 @@ ABSL_FLAG(int, threads, 0, "CPU threads per NUMA node for experts and CPU attent
 ABSL_FLAG(bool, pin_threads, true, "pin CPU worker threads to cores");
 ABSL_FLAG(int, batch_size, 6, "target running batch size Y");
 ABSL_FLAG(int, chunk_size, 512, "prompt tokens per chunked-prefill step");
+ABSL_FLAG(int, prefills_per_step, 1,
+          "prefill chunks (of different requests) a step may carry, within --chunk-size tokens");
 ABSL_FLAG(std::string, dual_batch, "auto",
           "dual-batch attention/MoE overlap: on, off, or auto (on with a GPU attention device)");
 ABSL_FLAG(int, max_waiting, 64, "admitted requests that may wait; RESOURCE_EXHAUSTED beyond");
@@ -87,6 +89,7 @@ int Run() {
   SchedulerOptions sched_options;
   sched_options.batch_size = absl::GetFlag(FLAGS_batch_size);
   sched_options.chunk_size = absl::GetFlag(FLAGS_chunk_size);
+  sched_options.prefills_per_step = absl::GetFlag(FLAGS_prefills_per_step);
   sched_options.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   sched_options.dual_batch = *dual;
   const int threads = absl::GetFlag(FLAGS_threads);
@@ -94,10 +97,11 @@ int Run() {
   const double drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   const int heartbeat_ms = absl::GetFlag(FLAGS_heartbeat_ms);
   if (sched_options.batch_size < 1 || sched_options.chunk_size < 1 ||
-      sched_options.max_waiting < 0 || threads < 0 || block_tokens < 1 || drain_seconds < 0 ||
-      heartbeat_ms < 1) {
-    HMOE_LOG(ERROR) << "--batch-size, --chunk-size, --kv-block-tokens and --heartbeat-ms must be "
-                       ">= 1; --max-waiting, --threads and --drain-seconds >= 0";
+      sched_options.prefills_per_step < 1 || sched_options.max_waiting < 0 || threads < 0 ||
+      block_tokens < 1 || drain_seconds < 0 || heartbeat_ms < 1) {
+    HMOE_LOG(ERROR) << "--batch-size, --chunk-size, --prefills-per-step, --kv-block-tokens and "
+                       "--heartbeat-ms must be >= 1; --max-waiting, --threads and "
+                       "--drain-seconds >= 0";
     return kExitBadFlags;
   }
   int64_t kv_memory_mb = absl::GetFlag(FLAGS_kv_memory_mb);
@@ -182,7 +186,8 @@ int Run() {
   HMOE_LOG(INFO) << "SERVING on unix:" << socket_path << " as " << worker_id << ": "
                  << weights->description << ", device " << (*engine)->device_name() << ", "
                  << (*pool)->num_threads() << " cpu threads, batch " << sched_options.batch_size
-                 << ", chunk " << sched_options.chunk_size << ", dual batch "
+                 << ", chunk " << sched_options.chunk_size << " ("
+                 << sched_options.prefills_per_step << " prefill(s) per step), dual batch "
                  << (sched_options.dual_batch ? "on" : "off") << ", kv " << *kv_blocks
                  << " blocks of " << block_tokens << " tokens, ready in "
                  << absl::ToDoubleSeconds(absl::Now() - start) << " s";

@@ -70,6 +70,10 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(StepEngine& engine,
         options.chunk_size + options.batch_size, ") at most the engine's step of ",
         engine.max_step_tokens(), " tokens"));
   }
+  if (options.prefills_per_step < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefills per step ", options.prefills_per_step, " must be >= 1"));
+  }
   if (options.max_waiting < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max waiting ", options.max_waiting, " must be >= 0"));
@@ -350,10 +354,11 @@ bool Scheduler::RunOneStep() {
   std::vector<Active*> owners;
   std::vector<int64_t> prefill_tokens;  // per input; 0 for a decode token
   // Prompt tokens this step may still take: whole chunks of the prefilling requests, oldest
-  // first, while they fit in one chunk's worth; the first that does not fit ends the packing
-  // (FIFO: no younger prompt overtakes it). A request's chunks are always the next chunk_size
-  // tokens of its own prompt, whatever else shares the step.
+  // first, while they fit in one chunk's worth and the count allows; the first that does not
+  // fit ends the packing (FIFO: no younger prompt overtakes it). A request's chunks are always
+  // the next chunk_size tokens of its own prompt, whatever else shares the step.
   int64_t prefill_budget = options_.chunk_size;
+  int prefills_left = options_.prefills_per_step;
   bool prefill_closed = false;
   for (auto& ap : running_) {
     Active& a = *ap;
@@ -362,11 +367,12 @@ bool Scheduler::RunOneStep() {
       if (prefill_closed) continue;
       const int64_t remaining = a.request.prompt_tokens() - a.prompt_done;
       const int64_t n = std::min(remaining, options_.chunk_size);
-      if (n > prefill_budget) {
+      if (n > prefill_budget || prefills_left == 0) {
         prefill_closed = true;
         continue;
       }
       prefill_budget -= n;
+      --prefills_left;
       StepInput in;
       in.sequence = a.sequence.get();
       in.tokens = std::span<const int32_t>(a.request.prompt).subspan(a.prompt_done, n);

@@ -14,14 +14,19 @@
 //   that does not fit blocks the queue (no overtaking: FIFO fairness). A KV hand-off is imported
 //   when its request joins (then KvImported is sent and the source unmapped: the ack).
 // - Steps. Every step carries one decode token of every running request past its prompt, plus
-//   prefill chunks within a budget of chunk_size prompt tokens: the next chunk_size tokens (or
-//   the rest) of the oldest running request still prefilling, then, while they fit in what is
-//   left of the budget, the next chunks of the younger ones in FIFO order (the first that does
-//   not fit ends the packing). A request's chunks never depend on what shares its step, so a
-//   prompt of P tokens takes ceil(P / chunk_size) chunks; a burst of short prompts is prefilled
-//   together, and the running requests keep decoding one token per step behind at most
-//   chunk_size prompt tokens. Logits are computed for a prefill chunk only when it is the
-//   prompt's last; the first token is sampled from them.
+//   the next chunk (chunk_size prompt tokens, or the rest) of the oldest running request still
+//   prefilling. With prefills_per_step > 1, the next chunks of younger prefilling requests join
+//   it in FIFO order while they fit in one chunk_size budget of prompt tokens and the count
+//   allows (the first that does not fit ends the packing: no overtaking). A request's chunks never
+//   depend on what shares its step, so a prompt of P tokens takes ceil(P / chunk_size) chunks,
+//   and the running requests keep decoding one token per step behind at most chunk_size prompt
+//   tokens. Logits are computed for a prefill chunk only when it is the prompt's last; the first
+//   token is sampled from them.
+//   Packing pays where a step's cost is its weight reads (memory-bound: many cores, or few
+//   tokens per expert) — a packed step reads the experts once for all its prompts; where a
+//   step's cost grows with its tokens (compute-bound: this 2-core VM from ~3 tokens) it only
+//   makes every prompt of a burst wait for the whole burst, so it is off by default
+//   (docs/PERFORMANCE.md "Prefill packing").
 // - Dual batch. With dual_batch on and >= 2 inputs in a step, the inputs are split into two
 //   micro-batches of balanced token counts that overlap attention and MoE (StepRunner).
 // - Stops. EOS (unless ignore_eos), a stop token id (neither is streamed) or max_new_tokens.
@@ -55,8 +60,10 @@ namespace hmoe::decode {
 struct SchedulerOptions {
   // Target running batch size Y (paper §3.3.2): requests decoding (or prefilling) together.
   int batch_size = 6;
-  // Prompt tokens per prefill chunk, and per step (several short chunks may share a step).
+  // Prompt tokens per prefill chunk, and per step.
   int64_t chunk_size = 512;
+  // Prefill chunks a step may carry (of different requests, within chunk_size tokens in all).
+  int prefills_per_step = 1;
   // Admitted requests waiting for a slot or KV blocks; beyond it Submit is ResourceExhausted.
   int max_waiting = 64;
   // Dual-batch attention–MoE overlap.
@@ -86,8 +93,8 @@ class Scheduler {
  public:
   // Checks the options against the engine (InvalidArgument: batch_size < 1 or above the engine's
   // max_step_sequences, chunk_size < 1 or chunk_size + batch_size above max_step_tokens,
-  // max_waiting < 0), creates the step driver(s) and starts the engine thread. `engine` must
-  // outlive the scheduler.
+  // prefills_per_step < 1, max_waiting < 0), creates the step driver(s) and starts the engine
+  // thread. `engine` must outlive the scheduler.
   static absl::StatusOr<std::unique_ptr<Scheduler>> Create(StepEngine& engine,
                                                            const SchedulerOptions& options);
   // Shutdown().

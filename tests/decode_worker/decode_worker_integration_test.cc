@@ -320,17 +320,19 @@ class DecodeWorkerTest : public ::testing::Test {
     EXPECT_EQ(w->Terminate(), 0);
   }
 
-  // Six concurrent greedy requests of different lengths, with and without the dual-batch overlap:
-  // each agrees with the reference, and the overlap changes no token (the engine's results do not
-  // depend on the composition of a step).
+  // Six concurrent greedy requests of different lengths, first with one prefill chunk per step
+  // and no dual-batch overlap, then with both prefill packing (--prefills-per-step 6: the short
+  // prompts share steps) and the overlap: each agrees with the reference, and neither changes a
+  // token (the engine's results do not depend on the composition of a step).
   static void MixedBatchOfSixAgreesWithReference(const Model& model, const std::string& tag) {
     const std::vector<int> lengths = {3, 10, 17, 30, 45, 70};
     std::vector<std::vector<int32_t>> tokens[2];
     for (int dual = 0; dual < 2; ++dual) {
-      auto w = Worker::Start(absl::StrCat(tag, dual),
-                             {"--kv-blocks", "128", "--chunk-size", "16", "--batch-size", "6",
-                              "--dual-batch", dual == 1 ? "on" : "off"},
-                             true, model.weights);
+      auto w = Worker::Start(
+          absl::StrCat(tag, dual),
+          {"--kv-blocks", "128", "--chunk-size", "16", "--batch-size", "6", "--dual-batch",
+           dual == 1 ? "on" : "off", "--prefills-per-step", dual == 1 ? "6" : "1"},
+          true, model.weights);
       ASSERT_NE(w, nullptr);
       std::vector<Stream> streams(lengths.size());
       {
@@ -691,6 +693,9 @@ TEST_F(DecodeWorkerTest, BadFlagsExitNonZeroWithAMessage) {
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--batch-size", "0"},
        2,
        "--batch-size"},
+      {{kWorker, "--model", g_shared->model, "--socket", sock, "--prefills-per-step", "0"},
+       2,
+       "--prefills-per-step"},
       {{kWorker, "--model", g_shared->dir.File("nope"), "--socket", sock}, 1, "nope"},
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--device", "cuda:0"}, 1, "cuda"},
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--kv-blocks", "4", "--kv-memory-mb",

@@ -14,6 +14,7 @@
 #include <variant>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include <gtest/gtest.h>
@@ -192,9 +193,8 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
   EXPECT_EQ(oa.tokens, FakeGreedy(Prompt(2, 1), 12, 97));
   EXPECT_EQ(ob.tokens, FakeGreedy(Prompt(23, 2), 4, 97));
 
-  // Step 1: the short prompt (2 tokens) alone (the long prompt's first chunk of 5 does not fit in
-  // the 3 tokens left of the step's budget). Then the long prompt's chunks 5,5,5,5,3 ride along
-  // with the short request's decode tokens.
+  // Step 1: the short prompt (2 tokens) alone (one chunk per step by default). Then the long
+  // prompt's chunks 5,5,5,5,3 ride along with the short request's decode tokens.
   const std::vector<testing::StepRecord> steps = engine.steps();
   ASSERT_GE(steps.size(), 6u);
   EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{2}));
@@ -209,7 +209,7 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
       EXPECT_LE(n, 5);
       if (n > 1) ++multi;
     }
-    EXPECT_LE(multi, 1) << "two prefill chunks above the budget in one step";
+    EXPECT_LE(multi, 1) << "two prefill chunks in one step";
     prefill_inputs += multi;
   }
   EXPECT_EQ(prefill_inputs, 6);  // the short prompt's chunk and the long one's five
@@ -218,9 +218,11 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
 
 // Runs `prompts` (submitted in order while a blocker request holds the first step, so they all
 // join the batch at the next step boundary) and returns the steps after the blocker's prefill.
-std::vector<testing::StepRecord> StepsAfterBlocker(const std::vector<int>& prompts, int max_new) {
+std::vector<testing::StepRecord> StepsAfterBlocker(const std::vector<int>& prompts, int max_new,
+                                                   int prefills_per_step) {
   FakeStepEngine engine;
   SchedulerOptions options = SmallChunks();  // chunk 8
+  options.prefills_per_step = prefills_per_step;
   options.batch_size = 6;
   options.dual_batch = false;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
@@ -251,10 +253,21 @@ std::vector<testing::StepRecord> StepsAfterBlocker(const std::vector<int>& promp
   return steps;
 }
 
+TEST(SchedulerTest, ByDefaultAStepCarriesOnePrefillChunk) {
+  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 4, 6, 1}, 3, 1);
+  ASSERT_GE(steps.size(), 4u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 4}));
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 1, 1, 6}));
+  // r0 (3 new tokens) has finished; r3's 1-token prompt is the last input.
+  EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{1, 1, 1, 1}));
+}
+
 TEST(SchedulerTest, ShortPromptsShareAStepUpToOneChunkInFifoOrder) {
-  // Prompts of 3, 4, 6 and 1 tokens, chunk 8: the first step after the blocker takes 3 + 4; the
-  // 6 does not fit in the remaining 1 and ends the packing, so the 1 does not overtake it.
-  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 4, 6, 1}, 3);
+  // prefills_per_step 6. Prompts of 3, 4, 6 and 1 tokens, chunk 8: the first step after the
+  // blocker takes 3 + 4; the 6 does not fit in the remaining 1 and ends the packing, so the 1
+  // does not overtake it.
+  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 4, 6, 1}, 3, 6);
   ASSERT_GE(steps.size(), 3u);
   EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3, 4}));
   EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 1, 6, 1}));
@@ -269,16 +282,24 @@ TEST(SchedulerTest, ShortPromptsShareAStepUpToOneChunkInFifoOrder) {
 }
 
 TEST(SchedulerTest, PromptChunksDoNotDependOnWhatSharesTheStep) {
-  // Prompts of 3, 20 and 2 tokens, chunk 8. The 20-token prompt is always cut 8, 8, 4 — never 5
-  // to fill the step the 3-token prompt leaves — and the 2-token prompt behind it waits (FIFO)
-  // until it shares the step of the 4-token tail.
-  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 20, 2}, 2);
+  // prefills_per_step 6. Prompts of 3, 20 and 2 tokens, chunk 8. The 20-token prompt is always cut
+  // 8, 8, 4 — never 5 to fill the step the 3-token prompt leaves — and the 2-token prompt behind it
+  // waits (FIFO) until it shares the step of the 4-token tail.
+  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 20, 2}, 2, 6);
   ASSERT_GE(steps.size(), 5u);
   EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3}));
   EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 8}));
   EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 8}));
   EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{1, 4, 2}));
   EXPECT_EQ(steps[4].token_counts, (std::vector<int64_t>{1, 1, 1}));
+}
+
+TEST(SchedulerTest, PrefillsPerStepBoundsThePacking) {
+  // Three 2-token prompts fit one chunk of 8, but only two may share a step.
+  const std::vector<testing::StepRecord> steps = StepsAfterBlocker({2, 2, 2}, 2, 2);
+  ASSERT_GE(steps.size(), 2u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 2, 2}));
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 1, 2}));
 }
 
 TEST(SchedulerTest, RunningBatchNeverExceedsBatchSize) {
@@ -536,6 +557,11 @@ TEST(SchedulerTest, BadOptionsAreInvalidArgument) {
   o.chunk_size = 59;  // 59 + 6 > 64
   EXPECT_TRUE(absl::IsInvalidArgument(Scheduler::Create(engine, o).status()));
   o.chunk_size = 58;
+  o.prefills_per_step = 0;
+  absl::Status s = Scheduler::Create(engine, o).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "prefills per step")) << s;
+  o.prefills_per_step = 1;
   EXPECT_TRUE(Scheduler::Create(engine, o).ok());
 }
 
