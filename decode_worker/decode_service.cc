@@ -193,6 +193,13 @@ grpc::Status DecodeServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
   response->set_requests_failed(s.requests_failed);
   response->set_max_running_seen(s.max_running_seen);
   response->set_dual_batch_steps(s.dual_steps);
+  response->set_prefills_per_step(o.prefills_per_step);
+  response->set_prefill_packing(PackingPolicyName(o.packing));
+  response->set_packed_prefills(s.packed_prefills);
+  if (s.step_cost.has_value()) {
+    response->set_step_fixed_us(s.step_cost->fixed_us);
+    response->set_step_per_token_us(s.step_cost->per_token_us);
+  }
   return grpc::Status::OK;
 }
 

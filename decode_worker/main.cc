@@ -49,8 +49,12 @@ ABSL_FLAG(int, threads, 0, "CPU threads per NUMA node for experts and CPU attent
 ABSL_FLAG(bool, pin_threads, true, "pin CPU worker threads to cores");
 ABSL_FLAG(int, batch_size, 6, "target running batch size Y");
 ABSL_FLAG(int, chunk_size, 512, "prompt tokens per chunked-prefill step");
-ABSL_FLAG(int, prefills_per_step, 1,
-          "prefill chunks (of different requests) a step may carry, within --chunk-size tokens");
+ABSL_FLAG(int, prefills_per_step, 6,
+          "prefill chunks (of different requests) a step may carry, within --chunk-size tokens; "
+          "1: one chunk per step");
+ABSL_FLAG(std::string, prefill_packing, "auto",
+          "whether a prefill chunk beyond a step's first joins it: auto (when the cost model "
+          "fitted to this worker's steps says it lowers latency) or always (whenever it fits)");
 ABSL_FLAG(std::string, dual_batch, "auto",
           "dual-batch attention/MoE overlap: on, off, or auto (on with a GPU attention device)");
 ABSL_FLAG(int, max_waiting, 64, "admitted requests that may wait; RESOURCE_EXHAUSTED beyond");
@@ -90,6 +94,12 @@ int Run() {
   sched_options.batch_size = absl::GetFlag(FLAGS_batch_size);
   sched_options.chunk_size = absl::GetFlag(FLAGS_chunk_size);
   sched_options.prefills_per_step = absl::GetFlag(FLAGS_prefills_per_step);
+  absl::StatusOr<PackingPolicy> packing = ParsePackingPolicy(absl::GetFlag(FLAGS_prefill_packing));
+  if (!packing.ok()) {
+    HMOE_LOG(ERROR) << "--prefill-packing: " << packing.status().message();
+    return kExitBadFlags;
+  }
+  sched_options.packing = *packing;
   sched_options.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   sched_options.dual_batch = *dual;
   const int threads = absl::GetFlag(FLAGS_threads);
@@ -187,7 +197,8 @@ int Run() {
                  << weights->description << ", device " << (*engine)->device_name() << ", "
                  << (*pool)->num_threads() << " cpu threads, batch " << sched_options.batch_size
                  << ", chunk " << sched_options.chunk_size << " ("
-                 << sched_options.prefills_per_step << " prefill(s) per step), dual batch "
+                 << sched_options.prefills_per_step << " prefill(s) per step, packing "
+                 << PackingPolicyName(sched_options.packing) << "), dual batch "
                  << (sched_options.dual_batch ? "on" : "off") << ", kv " << *kv_blocks
                  << " blocks of " << block_tokens << " tokens, ready in "
                  << absl::ToDoubleSeconds(absl::Now() - start) << " s";

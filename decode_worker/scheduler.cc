@@ -55,6 +55,17 @@ struct Scheduler::Active {
   bool prefilling() const { return prompt_done < request.prompt_tokens(); }
 };
 
+absl::StatusOr<PackingPolicy> ParsePackingPolicy(const std::string& value) {
+  if (value == "auto") return PackingPolicy::kAuto;
+  if (value == "always") return PackingPolicy::kAlways;
+  return absl::InvalidArgumentError(
+      absl::StrCat("prefill packing \"", value, "\" must be auto or always"));
+}
+
+const char* PackingPolicyName(PackingPolicy p) {
+  return p == PackingPolicy::kAuto ? "auto" : "always";
+}
+
 // ------------------------------------------------------------------------------- creation
 
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(StepEngine& engine,
@@ -354,12 +365,18 @@ bool Scheduler::RunOneStep() {
   std::vector<Active*> owners;
   std::vector<int64_t> prefill_tokens;  // per input; 0 for a decode token
   // Prompt tokens this step may still take: whole chunks of the prefilling requests, oldest
-  // first, while they fit in one chunk's worth and the count allows; the first that does not
-  // fit ends the packing (FIFO: no younger prompt overtakes it). A request's chunks are always
-  // the next chunk_size tokens of its own prompt, whatever else shares the step.
+  // first, while they fit in one chunk's worth, the count allows and (beyond the first) the
+  // packing policy takes them; the first not taken ends the packing (FIFO: no younger prompt
+  // overtakes it). A request's chunks are always the next chunk_size tokens of its own prompt,
+  // whatever else shares the step.
   int64_t prefill_budget = options_.chunk_size;
   int prefills_left = options_.prefills_per_step;
   bool prefill_closed = false;
+  int64_t decoding = 0;  // sequences of the step that decode one token
+  for (const auto& ap : running_) decoding += !ap->finished && !ap->prefilling();
+  int64_t prefills = 0;  // chunks taken so far
+  const std::optional<StepCost> cost =
+      options_.fixed_step_cost.has_value() ? options_.fixed_step_cost : step_cost_.Estimate();
   for (auto& ap : running_) {
     Active& a = *ap;
     if (a.finished) continue;
@@ -367,12 +384,15 @@ bool Scheduler::RunOneStep() {
       if (prefill_closed) continue;
       const int64_t remaining = a.request.prompt_tokens() - a.prompt_done;
       const int64_t n = std::min(remaining, options_.chunk_size);
-      if (n > prefill_budget || prefills_left == 0) {
+      const bool packs = prefills == 0 || options_.packing == PackingPolicy::kAlways ||
+                         (cost.has_value() && cost->WorthPacking(decoding + prefills, n));
+      if (n > prefill_budget || prefills_left == 0 || !packs) {
         prefill_closed = true;
         continue;
       }
       prefill_budget -= n;
       --prefills_left;
+      if (prefills++ > 0) ++local_.packed_prefills;
       StepInput in;
       in.sequence = a.sequence.get();
       in.tokens = std::span<const int32_t>(a.request.prompt).subspan(a.prompt_done, n);
@@ -395,6 +415,19 @@ bool Scheduler::RunOneStep() {
   std::vector<StepResult> results = runner_->Run(inputs);
   const absl::Time t1 = absl::Now();
   const int64_t step_us = Micros(t1 - t0);
+  int64_t step_tokens = 0;
+  for (const StepInput& in : inputs) step_tokens += static_cast<int64_t>(in.tokens.size());
+  step_cost_.Add(step_tokens, static_cast<double>(step_us));
+  local_.step_cost = step_cost_.Estimate();
+  if (local_.step_cost.has_value() && t1 - last_cost_log_ >= absl::Minutes(1)) {
+    last_cost_log_ = t1;
+    HMOE_LOG(INFO) << "step cost fit: " << static_cast<int64_t>(local_.step_cost->fixed_us)
+                   << " us + " << static_cast<int64_t>(local_.step_cost->per_token_us)
+                   << " us/token over " << step_cost_.samples() << " steps; "
+                   << local_.packed_prefills << " prefill chunk(s) packed so far (packing "
+                   << PackingPolicyName(options_.packing) << ", up to "
+                   << options_.prefills_per_step << " per step)";
+  }
   ++local_.steps;
   if (runner_->last_split().dual) ++local_.dual_steps;
   HMOE_VLOG(2) << "step " << local_.steps << ": " << inputs.size() << " sequences"

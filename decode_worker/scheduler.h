@@ -15,18 +15,15 @@
 //   when its request joins (then KvImported is sent and the source unmapped: the ack).
 // - Steps. Every step carries one decode token of every running request past its prompt, plus
 //   the next chunk (chunk_size prompt tokens, or the rest) of the oldest running request still
-//   prefilling. With prefills_per_step > 1, the next chunks of younger prefilling requests join
-//   it in FIFO order while they fit in one chunk_size budget of prompt tokens and the count
-//   allows (the first that does not fit ends the packing: no overtaking). A request's chunks never
+//   prefilling. Up to prefills_per_step - 1 younger prefilling requests may add their next
+//   chunks in FIFO order while the step's prompt tokens stay within chunk_size — each only if
+//   the packing policy takes it (kAuto: when the step-cost model fitted to this worker's own
+//   steps says it lowers the requests' summed latency, see step_cost_model.h; kAlways: whenever
+//   it fits). The first chunk not taken ends the packing (no overtaking). A request's chunks never
 //   depend on what shares its step, so a prompt of P tokens takes ceil(P / chunk_size) chunks,
 //   and the running requests keep decoding one token per step behind at most chunk_size prompt
 //   tokens. Logits are computed for a prefill chunk only when it is the prompt's last; the first
 //   token is sampled from them.
-//   Packing pays where a step's cost is its weight reads (memory-bound: many cores, or few
-//   tokens per expert) — a packed step reads the experts once for all its prompts; where a
-//   step's cost grows with its tokens (compute-bound: this 2-core VM from ~3 tokens) it only
-//   makes every prompt of a burst wait for the whole burst, so it is off by default
-//   (docs/PERFORMANCE.md "Prefill packing").
 // - Dual batch. With dual_batch on and >= 2 inputs in a step, the inputs are split into two
 //   micro-batches of balanced token counts that overlap attention and MoE (StepRunner).
 // - Stops. EOS (unless ignore_eos), a stop token id (neither is streamed) or max_new_tokens.
@@ -40,6 +37,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -52,18 +50,32 @@
 #include "absl/time/time.h"
 
 #include "decode_worker/request.h"
+#include "decode_worker/step_cost_model.h"
 #include "decode_worker/step_engine.h"
 #include "decode_worker/step_runner.h"
 
 namespace hmoe::decode {
+
+// Whether a prefill chunk beyond a step's first joins it (SchedulerOptions::packing).
+enum class PackingPolicy {
+  kAuto,    // when the step-cost model says it pays (StepCost::WorthPacking)
+  kAlways,  // whenever it fits
+};
+// "auto" / "always"; InvalidArgument otherwise.
+absl::StatusOr<PackingPolicy> ParsePackingPolicy(const std::string& value);
+const char* PackingPolicyName(PackingPolicy p);
 
 struct SchedulerOptions {
   // Target running batch size Y (paper §3.3.2): requests decoding (or prefilling) together.
   int batch_size = 6;
   // Prompt tokens per prefill chunk, and per step.
   int64_t chunk_size = 512;
-  // Prefill chunks a step may carry (of different requests, within chunk_size tokens in all).
-  int prefills_per_step = 1;
+  // Prefill chunks a step may carry (of different requests, within chunk_size tokens in all);
+  // chunks beyond the first only as `packing` decides.
+  int prefills_per_step = 6;
+  PackingPolicy packing = PackingPolicy::kAuto;
+  // kAuto: the step cost to decide with, instead of the one fitted to the steps (tests).
+  std::optional<StepCost> fixed_step_cost;
   // Admitted requests waiting for a slot or KV blocks; beyond it Submit is ResourceExhausted.
   int max_waiting = 64;
   // Dual-batch attention–MoE overlap.
@@ -86,7 +98,9 @@ struct SchedulerStats {
   int64_t requests_finished = 0;  // for any cause
   int64_t requests_cancelled = 0;
   int64_t requests_failed = 0;
-  int max_running_seen = 0;  // largest running batch so far
+  int max_running_seen = 0;           // largest running batch so far
+  int64_t packed_prefills = 0;        // prefill chunks that shared a step with an older one
+  std::optional<StepCost> step_cost;  // the fit the packing policy uses (nullopt: not yet)
 };
 
 class Scheduler {
@@ -166,6 +180,8 @@ class Scheduler {
   std::deque<std::unique_ptr<Active>> waiting_;
   std::vector<std::unique_ptr<Active>> running_;
   SchedulerStats local_;
+  StepCostModel step_cost_;
+  absl::Time last_cost_log_ = absl::InfinitePast();
   std::vector<std::pair<std::string, std::string>> pending_cancels_;
   std::deque<std::pair<absl::Time, int64_t>> rate_window_;  // (step end, tokens sampled)
   std::deque<double> rate_steps_;                           // step seconds, parallel to the above

@@ -328,11 +328,11 @@ class DecodeWorkerTest : public ::testing::Test {
     const std::vector<int> lengths = {3, 10, 17, 30, 45, 70};
     std::vector<std::vector<int32_t>> tokens[2];
     for (int dual = 0; dual < 2; ++dual) {
-      auto w = Worker::Start(
-          absl::StrCat(tag, dual),
-          {"--kv-blocks", "128", "--chunk-size", "16", "--batch-size", "6", "--dual-batch",
-           dual == 1 ? "on" : "off", "--prefills-per-step", dual == 1 ? "6" : "1"},
-          true, model.weights);
+      auto w = Worker::Start(absl::StrCat(tag, dual),
+                             {"--kv-blocks", "128", "--chunk-size", "16", "--batch-size", "6",
+                              "--dual-batch", dual == 1 ? "on" : "off", "--prefills-per-step",
+                              dual == 1 ? "6" : "1", "--prefill-packing", "always"},
+                             true, model.weights);
       ASSERT_NE(w, nullptr);
       std::vector<Stream> streams(lengths.size());
       {
@@ -353,10 +353,15 @@ class DecodeWorkerTest : public ::testing::Test {
       EXPECT_EQ(st.requests_finished(), 6);
       EXPECT_GE(st.max_running_seen(), 2);  // requests shared steps
       EXPECT_LE(st.max_running_seen(), 6);
+      EXPECT_EQ(st.prefill_packing(), "always");
       if (dual == 1) {
         EXPECT_GT(st.dual_batch_steps(), 0);
+        EXPECT_EQ(st.prefills_per_step(), 6);
+        std::printf("[ mixed batch ] %s: %lld prefill chunk(s) packed beside an older one\n",
+                    tag.c_str(), static_cast<long long>(st.packed_prefills()));
       } else {
         EXPECT_EQ(st.dual_batch_steps(), 0);
+        EXPECT_EQ(st.packed_prefills(), 0);
       }
       EXPECT_EQ(st.kv_blocks_free(), st.kv_blocks_total());
       EXPECT_EQ(w->Terminate(), 0);
@@ -696,6 +701,9 @@ TEST_F(DecodeWorkerTest, BadFlagsExitNonZeroWithAMessage) {
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--prefills-per-step", "0"},
        2,
        "--prefills-per-step"},
+      {{kWorker, "--model", g_shared->model, "--socket", sock, "--prefill-packing", "greedy"},
+       2,
+       "--prefill-packing"},
       {{kWorker, "--model", g_shared->dir.File("nope"), "--socket", sock}, 1, "nope"},
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--device", "cuda:0"}, 1, "cuda"},
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--kv-blocks", "4", "--kv-memory-mb",

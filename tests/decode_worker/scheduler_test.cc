@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <variant>
@@ -78,10 +79,13 @@ GenerationRequest Greedy(std::string id, std::vector<int32_t> prompt, int max_ne
   return r;
 }
 
-// The fake's steps hold 64 tokens: chunks of 8 plus a batch of up to 6 fit.
+// The fake's steps hold 64 tokens: chunks of 8 plus a batch of up to 6 fit. One prefill chunk
+// per step, so the steps do not depend on the fake's step times (the packing tests set
+// prefills_per_step and the policy).
 SchedulerOptions SmallChunks() {
   SchedulerOptions o;
   o.chunk_size = 8;
+  o.prefills_per_step = 1;
   return o;
 }
 
@@ -218,11 +222,15 @@ TEST(SchedulerTest, ChunkedPrefillInterleavesWithDecode) {
 
 // Runs `prompts` (submitted in order while a blocker request holds the first step, so they all
 // join the batch at the next step boundary) and returns the steps after the blocker's prefill.
+// Packing is kAlways unless `cost` is given (then kAuto with that step cost).
 std::vector<testing::StepRecord> StepsAfterBlocker(const std::vector<int>& prompts, int max_new,
-                                                   int prefills_per_step) {
+                                                   int prefills_per_step,
+                                                   std::optional<StepCost> cost = std::nullopt) {
   FakeStepEngine engine;
   SchedulerOptions options = SmallChunks();  // chunk 8
   options.prefills_per_step = prefills_per_step;
+  options.packing = cost.has_value() ? PackingPolicy::kAuto : PackingPolicy::kAlways;
+  options.fixed_step_cost = cost;
   options.batch_size = 6;
   options.dual_batch = false;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
@@ -253,7 +261,7 @@ std::vector<testing::StepRecord> StepsAfterBlocker(const std::vector<int>& promp
   return steps;
 }
 
-TEST(SchedulerTest, ByDefaultAStepCarriesOnePrefillChunk) {
+TEST(SchedulerTest, OnePrefillPerStepTakesOneChunkPerStep) {
   const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 4, 6, 1}, 3, 1);
   ASSERT_GE(steps.size(), 4u);
   EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3}));
@@ -292,6 +300,55 @@ TEST(SchedulerTest, PromptChunksDoNotDependOnWhatSharesTheStep) {
   EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 8}));
   EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{1, 4, 2}));
   EXPECT_EQ(steps[4].token_counts, (std::vector<int64_t>{1, 1, 1}));
+}
+
+TEST(SchedulerTest, AutoPackingPacksWhenAStepCostsItsWeightReads) {
+  // Memory-bound: 10 ms a step, 1 us a token. The first step after the blocker carries the
+  // blocker's decode and the 3 + 4 (1 * 1 * 2 < 10000, 2 * 1 * 3 < 10000), as kAlways would.
+  const std::vector<testing::StepRecord> steps =
+      StepsAfterBlocker({3, 4, 6, 1}, 3, 6, StepCost{.fixed_us = 10000, .per_token_us = 1});
+  ASSERT_GE(steps.size(), 2u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3, 4}));
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 1, 6, 1}));
+}
+
+TEST(SchedulerTest, AutoPackingKeepsOneChunkPerStepWhenTokensCostMost) {
+  // Compute-bound: 1 ms a step, 1 ms a token. Only the 1-token prompt joins a step beside an
+  // older chunk (its n - 1 = 0 extra tokens delay nobody); the others get a step each.
+  const std::vector<testing::StepRecord> steps =
+      StepsAfterBlocker({3, 4, 6, 1}, 3, 6, StepCost{.fixed_us = 1000, .per_token_us = 1000});
+  ASSERT_GE(steps.size(), 3u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 4}));
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 1, 1, 6, 1}));
+}
+
+TEST(SchedulerTest, AutoPackingWaitsForAFit) {
+  // kAuto with no fixed cost: the model has seen one step (the blocker's), too few to fit, so
+  // nothing is packed yet.
+  FakeStepEngine engine;
+  SchedulerOptions options = SmallChunks();
+  options.prefills_per_step = 6;
+  options.packing = PackingPolicy::kAuto;
+  options.dual_batch = false;
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
+  engine.HoldSteps();
+  auto blocker = scheduler->Submit(Greedy("blocker", Prompt(8, 9), 2));
+  ASSERT_TRUE(blocker.ok()) << blocker.status();
+  while (engine.blocked_steps() == 0) absl::SleepFor(absl::Milliseconds(1));
+  auto a = scheduler->Submit(Greedy("a", Prompt(2, 1), 1));
+  auto b = scheduler->Submit(Greedy("b", Prompt(2, 2), 1));
+  ASSERT_TRUE(a.ok() && b.ok());
+  engine.ReleaseSteps();
+  Collect(**a);
+  Collect(**b);
+  Collect(**blocker);
+  const std::vector<testing::StepRecord> steps = engine.steps();
+  ASSERT_GE(steps.size(), 3u);
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{2}));
+  EXPECT_EQ(scheduler->stats().packed_prefills, 0);
+  EXPECT_FALSE(scheduler->stats().step_cost.has_value());
 }
 
 TEST(SchedulerTest, PrefillsPerStepBoundsThePacking) {
