@@ -260,9 +260,10 @@ int Run() {
 int main(int argc, char** argv) {
   std::vector<std::string> storage;
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "hmoe-decode-worker (--model DIR | --weightd-instance NAME) --socket PATH [--device "
-      "cpu|cuda:N] [--threads N] [--batch-size 6] [--chunk-size 512] [--dual-batch on|off|auto] "
+      "cpu|cuda:N] [--threads N] [--batch-size 6] [--chunk-size 512] [--prefills-per-step 6] "
+      "[--prefill-packing auto|always] [--dual-batch on|off|auto] "
       "[--kv-blocks N | --kv-memory-mb MB] [--router ADDR] [--worker-id ID] [--drain-seconds S]");
   std::vector<char*> positional =
       absl::ParseCommandLine(static_cast<int>(args.size()), args.data());

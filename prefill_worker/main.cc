@@ -342,7 +342,7 @@ int Run() {
 int main(int argc, char** argv) {
   std::vector<std::string> storage;
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "hmoe-prefill-worker (--model DIR | --weightd-instance NAME) --socket PATH [--device "
       "cpu|cuda:N] [--threads N] [--device-memory-mb MB] [--copy-gbps G] [--stream-budget-mb MB] "
       "[--ring-slots N] [--ring-turning-point TOKENS] [--max-prompt-tokens N] "

@@ -93,7 +93,7 @@ bool PrepareSocketDir(const std::string& socket_path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("hmoe-router --listen 127.0.0.1:50051 --model DIR");
+  hmoe::SetUsage("hmoe-router --listen 127.0.0.1:50051 --model DIR");
   std::vector<std::string> storage;
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());

@@ -26,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 
+#include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
 #include "common/comm/shm_collective.h"
@@ -274,7 +275,7 @@ int Main() {
 }  // namespace hmoe
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "measures DSLP on the CPU device: hmoe-dslp-bench --model DIR --world_size 2 "
       "--prompt_len 1024 --ep_mode both");
   absl::ParseCommandLine(argc, argv);

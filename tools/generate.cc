@@ -188,7 +188,7 @@ absl::Status Run() {
 }  // namespace hmoe
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "greedy generation with the FP32 reference model\n"
       "  hmoe-generate --model DIR (--prompt-ids 1,2,3 | --prompt TEXT) --max-new-tokens N\n"
       "                [--mla naive|absorbed] [--print-logits] [--stop-at-eos] "

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include <grpcpp/grpcpp.h>
 
+#include "common/base/flags.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "tools/deploy_config.h"
@@ -311,7 +312,7 @@ int main(int argc, char** argv) {
     }
     fixed.push_back(a.data());
   }
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "hmoe generate|status|health --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
       "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
       "[--prefill-workers N]");

@@ -39,7 +39,7 @@ ABSL_FLAG(bool, force, false, "write into a non-empty directory, replacing check
 ABSL_FLAG(int, threads, 0, "generation threads (0: all cores)");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "writes a synthetic DeepSeek-V3-family checkpoint: hmoe-make-model --preset tiny --out DIR");
   std::vector<std::string> storage;
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);

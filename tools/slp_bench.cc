@@ -31,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
+#include "common/base/flags.h"
 #include "common/base/status_macros.h"
 #include "common/device/cpu_device.h"
 #include "common/engine/engine.h"
@@ -191,7 +192,7 @@ absl::Status Main() {
 }  // namespace hmoe
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "hmoe-slp-bench --model DIR [--prompt_tokens 256] [--step_tokens 0] [--copy_gbps 2] "
       "[--rings 2,4,0] [--budget_mb 64] [--threads 2] [--repeats 3]");
   absl::ParseCommandLine(argc, argv);

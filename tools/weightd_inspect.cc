@@ -333,7 +333,7 @@ int Run() {
 int main(int argc, char** argv) {
   std::vector<std::string> storage;
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "hmoe-weightd-inspect --instance NAME [--tensors] [--verify --model DIR] [--touch] [--hold] "
       "[--status]");
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());

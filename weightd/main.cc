@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   const absl::Time process_start = absl::Now();
   std::vector<std::string> storage;
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
-  absl::SetProgramUsageMessage(
+  hmoe::SetUsage(
       "hmoe-weightd --model DIR [--instance NAME] [--numa auto|off|N] [--numa-slices N] "
       "[--hugepages auto|1g|2m|thp|off] [--dense-policy interleave|replicate] [--socket PATH] "
       "[--remove-on-exit]");

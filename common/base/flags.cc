@@ -2,6 +2,10 @@
 
 #include <algorithm>
 
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/string_view.h"
+
 namespace hmoe {
 
 std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage) {
@@ -19,6 +23,21 @@ std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::st
   out.reserve(storage.size());
   for (std::string& s : storage) out.push_back(s.data());
   return out;
+}
+
+bool IsOwnFlagFile(std::string_view file) {
+  return file.find("absl/") == std::string_view::npos;
+}
+
+void SetUsage(std::string_view usage) {
+  absl::SetProgramUsageMessage(absl::string_view(usage.data(), usage.size()));
+  absl::FlagsUsageConfig config;
+  const auto own = [](absl::string_view file) {
+    return IsOwnFlagFile(std::string_view(file.data(), file.size()));
+  };
+  config.contains_help_flags = own;
+  config.contains_helpshort_flags = own;
+  absl::SetFlagsUsageConfig(config);
 }
 
 }  // namespace hmoe

@@ -3,6 +3,7 @@
 // Command-line helpers shared by every binary of the tree.
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace hmoe {
@@ -13,5 +14,14 @@ namespace hmoe {
 // everything after a lone "--" untouched), for absl::ParseCommandLine. `storage` owns the strings
 // the returned pointers point into; it must outlive them.
 std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::string>& storage);
+
+// Sets the binary's usage message (absl::SetProgramUsageMessage) and makes --help and
+// --helpshort list the binary's own flags: every flag defined outside abseil's sources. (absl's
+// default lists only the flags of a file named after the binary, which none of ours is, and
+// prints "No flags matched.") Call once, before absl::ParseCommandLine.
+void SetUsage(std::string_view usage);
+
+// Whether --help lists a flag defined in `file` (SetUsage): not one of abseil's own.
+bool IsOwnFlagFile(std::string_view file);
 
 }  // namespace hmoe
