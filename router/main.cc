@@ -33,6 +33,7 @@
 #include "router/registry_service.h"
 #include "router/router.h"
 #include "router/router_service.h"
+#include "router/validation.h"
 #include "router/worker_registry.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -98,6 +99,10 @@ int main(int argc, char** argv) {
   std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
 
+  if (absl::Status s = hmoe::router::ValidateListenAddress(absl::GetFlag(FLAGS_listen)); !s.ok()) {
+    HMOE_LOG(ERROR) << s.message();
+    return 2;
+  }
   hmoe::router::RouterOptions options;
   std::unique_ptr<hmoe::Tokenizer> tokenizer;
   const std::string model_dir = absl::GetFlag(FLAGS_model);

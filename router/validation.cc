@@ -1,8 +1,11 @@
 #include "router/validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 #include "common/base/status_macros.h"
@@ -138,6 +141,35 @@ absl::StatusOr<std::vector<int32_t>> ResolvePrompt(const hmoe::v1::GenerateReque
                                        " exceeds the context length ", limits.context_length));
   }
   return ids;
+}
+
+absl::Status ValidateListenAddress(const std::string& address) {
+  const auto bad = [&address](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen \"", address, "\": ", why,
+                     " (want HOST:PORT, e.g. 127.0.0.1:50051, or unix:/absolute/path)"));
+  };
+  if (absl::StartsWith(address, "unix:")) {
+    if (address.size() <= 5 || address[5] != '/')
+      return bad("the unix socket path is not absolute");
+    return absl::OkStatus();
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return bad("no port");
+  const absl::string_view host = absl::string_view(address).substr(0, colon);
+  const absl::string_view port = absl::string_view(address).substr(colon + 1);
+  if (host.empty()) return bad("no host");
+  if (host.front() == '[' ? host.back() != ']' || host.size() < 3
+                          : host.find(':') != absl::string_view::npos) {
+    return bad("an IPv6 host must be in brackets, e.g. [::1]:50051");
+  }
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return bad("the port is not a number");
+  }
+  int value = 0;
+  if (!absl::SimpleAtoi(port, &value) || value > 65535) return bad("the port is above 65535");
+  return absl::OkStatus();
 }
 
 }  // namespace hmoe::router

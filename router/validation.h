@@ -50,4 +50,9 @@ absl::StatusOr<std::vector<int32_t>> ResolvePrompt(const hmoe::v1::GenerateReque
 // Checks the sampling parameters alone (fields named "sampling.<name>").
 absl::Status ValidateSampling(const hmoe::v1::SamplingParams& sampling);
 
+// Checks the router's --listen address: HOST:PORT (a name, an IPv4 address or a bracketed IPv6
+// address; PORT 0..65535, 0 picks a free one) or unix:/absolute/path. InvalidArgument naming
+// --listen otherwise (gRPC itself would bind a port other than the one meant, e.g. for 99999).
+absl::Status ValidateListenAddress(const std::string& address);
+
 }  // namespace hmoe::router

@@ -56,6 +56,31 @@ std::unique_ptr<Tokenizer> SmallTokenizer() {
   return *std::move(t);
 }
 
+TEST(ValidationTest, ListenAddresses) {
+  for (const char* good : {"127.0.0.1:50051", "0.0.0.0:0", "localhost:65535", "[::1]:50051",
+                           "[::]:1", "unix:/run/hmoe/router.sock"}) {
+    EXPECT_TRUE(ValidateListenAddress(good).ok()) << good << ": " << ValidateListenAddress(good);
+  }
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"127.0.0.1:99999", "above 65535"},
+      {"127.0.0.1:", "not a number"},
+      {"127.0.0.1:http", "not a number"},
+      {"127.0.0.1:-1", "not a number"},
+      {"127.0.0.1", "no port"},
+      {":50051", "no host"},
+      {"::1:50051", "brackets"},
+      {"[::1:50051", "brackets"},
+      {"unix:relative.sock", "not absolute"},
+      {"bogus", "no port"},
+  };
+  for (const auto& [address, why] : bad) {
+    const absl::Status s = ValidateListenAddress(address);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << address << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "--listen")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), why)) << address << ": " << s;
+  }
+}
+
 TEST(ValidationTest, GoodRequestPasses) {
   const v1::GenerateRequest r = GoodRequest();
   EXPECT_TRUE(ValidateGenerateRequest(r, kLimits, nullptr).ok());
