@@ -25,9 +25,7 @@ std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::st
   return out;
 }
 
-bool IsOwnFlagFile(std::string_view file) {
-  return file.find("absl/") == std::string_view::npos;
-}
+bool IsOwnFlagFile(std::string_view file) { return file.find("absl/") == std::string_view::npos; }
 
 void SetUsage(std::string_view usage) {
   absl::SetProgramUsageMessage(absl::string_view(usage.data(), usage.size()));
