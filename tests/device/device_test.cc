@@ -24,22 +24,14 @@
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/reference/reference_ops.h"
 #include "common/model/dtype.h"
+#include "tests/integration/test_cpu_pool.h"
 
 namespace hmoe {
 namespace {
 
 float Bf16Round(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 
-CpuWorkerPool& Pool() {
-  static CpuWorkerPool* const pool = [] {
-    CpuWorkerPoolOptions options;
-    options.num_nodes = 1;
-    options.threads_per_node = 2;
-    options.pin_threads = false;
-    return CpuWorkerPool::Create(options)->release();
-  }();
-  return *pool;
-}
+CpuWorkerPool& Pool() { return ::hmoe::testing::TestCpuPool(); }
 
 absl::StatusOr<std::unique_ptr<Device>> NewDevice(DeviceKind kind, size_t budget = 0) {
   if (kind == DeviceKind::kCuda) return NewCudaDevice(0, budget);

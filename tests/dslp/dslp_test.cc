@@ -37,6 +37,7 @@
 #include "tests/dslp/kv_row_errors.h"
 #include "tests/dslp/rank_output.h"
 #include "tests/integration/child_process.h"
+#include "tests/integration/test_cpu_pool.h"
 
 namespace hmoe {
 namespace {
@@ -87,18 +88,7 @@ Model& GetModel(const std::string& preset) {
   return *models->emplace(preset, std::move(m)).first->second;
 }
 
-CpuWorkerPool& Pool() {
-  static CpuWorkerPool* const pool = [] {
-    CpuWorkerPoolOptions options;
-    options.num_nodes = 1;
-    options.threads_per_node = 2;
-    options.pin_threads = false;
-    auto p = CpuWorkerPool::Create(options);
-    HMOE_CHECK_OK(p.status());
-    return p->release();
-  }();
-  return *pool;
-}
+CpuWorkerPool& Pool() { return ::hmoe::testing::TestCpuPool(); }
 
 // The single-process engine (what SLP computes) with a cache for prefill and decode.
 struct Single {

@@ -27,6 +27,7 @@
 #include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
+#include "tests/integration/test_cpu_pool.h"
 #include "tools/model_writer.h"
 
 namespace hmoe {
@@ -113,18 +114,7 @@ TinyModel& Tiny() {
   return *model;
 }
 
-CpuWorkerPool& Pool() {
-  static CpuWorkerPool* const pool = [] {
-    CpuWorkerPoolOptions options;
-    options.num_nodes = 1;
-    options.threads_per_node = 2;
-    options.pin_threads = false;
-    auto p = CpuWorkerPool::Create(options);
-    HMOE_CHECK_OK(p.status());
-    return p->release();
-  }();
-  return *pool;
-}
+CpuWorkerPool& Pool() { return ::hmoe::testing::TestCpuPool(); }
 
 // One engine (of one rank, or the single-process reference) over the shared tiny weights.
 struct Rig {

@@ -26,6 +26,7 @@
 #include "common/engine/reference/reference_model.h"
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
+#include "tests/integration/test_cpu_pool.h"
 #include "tools/model_writer.h"
 
 namespace hmoe::engine_test {
@@ -112,18 +113,7 @@ inline Model& Tiny() {
   return *model;
 }
 
-inline CpuWorkerPool& Pool() {
-  static CpuWorkerPool* const pool = [] {
-    CpuWorkerPoolOptions options;
-    options.num_nodes = 1;
-    options.threads_per_node = 2;
-    options.pin_threads = false;
-    auto p = CpuWorkerPool::Create(options);
-    HMOE_CHECK_OK(p.status());
-    return p->release();
-  }();
-  return *pool;
-}
+inline CpuWorkerPool& Pool() { return ::hmoe::testing::TestCpuPool(); }
 
 // Everything one engine needs.
 struct Rig {
