@@ -521,17 +521,14 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   }
   std::shared_ptr<DecodeClient> client =
       decode_clients_->ForEndpoint(decode->identity.endpoint, decode->incarnation);
-  std::unique_ptr<DecodeStream> stream = client->Admit(admit, req.deadline);
-  {
-    absl::MutexLock lock(&req.inflight->mu);
-    req.inflight->stream = stream.get();
-    if (req.inflight->cancelled_by_rpc || req.inflight->client_gone) stream->Cancel();
-  }
+  // Counted before the call starts, so GetStatus never shows a worker serving a request the
+  // router does not count yet.
   {
     absl::MutexLock lock(&mu_);
     ++decode_active_;
   }
   CountWorker(route.decode_worker_id, +1);
+  std::unique_ptr<DecodeStream> stream;
   absl::Cleanup unactive = [&] {
     {
       absl::MutexLock lock(&req.inflight->mu);
@@ -542,6 +539,12 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     --decode_active_;
     last_decode_active_ = clock_->Now();
   };
+  stream = client->Admit(admit, req.deadline);
+  {
+    absl::MutexLock lock(&req.inflight->mu);
+    req.inflight->stream = stream.get();
+    if (req.inflight->cancelled_by_rpc || req.inflight->client_gone) stream->Cancel();
+  }
 
   dv1::AdmitResponse in;
   std::optional<dv1::Finished> finished;
@@ -665,10 +668,11 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
       g->set_shm_group(group);
       g->set_ep_mode(static_cast<pv1::EpMode>(options_.dslp_ep_mode));
     }
+    // Counted before the call starts (see the decode stream); the Cleanup below uncounts.
+    CountWorker(workers[rank].identity.worker_id, +1);
     calls.push_back(
         prefill_clients_->ForEndpoint(workers[rank].identity.endpoint, workers[rank].incarnation)
             ->Prefill(r, req.deadline));
-    CountWorker(workers[rank].identity.worker_id, +1);
   }
   {
     absl::MutexLock lock(&req.inflight->mu);
