@@ -370,13 +370,13 @@ bool Scheduler::RunOneStep() {
   // overtakes it). A request's chunks are always the next chunk_size tokens of its own prompt,
   // whatever else shares the step.
   int64_t prefill_budget = options_.chunk_size;
-  int prefills_left = options_.prefills_per_step;
   bool prefill_closed = false;
   int64_t decoding = 0;  // sequences of the step that decode one token
   for (const auto& ap : running_) decoding += !ap->finished && !ap->prefilling();
   int64_t prefills = 0;  // chunks taken so far
-  const std::optional<StepCost> cost =
-      options_.fixed_step_cost.has_value() ? options_.fixed_step_cost : step_cost_.Estimate();
+  // The fit as of the last step (RunOneStep refreshes local_.step_cost after every step).
+  const std::optional<StepCost>& cost =
+      options_.fixed_step_cost.has_value() ? options_.fixed_step_cost : local_.step_cost;
   for (auto& ap : running_) {
     Active& a = *ap;
     if (a.finished) continue;
@@ -386,12 +386,11 @@ bool Scheduler::RunOneStep() {
       const int64_t n = std::min(remaining, options_.chunk_size);
       const bool packs = prefills == 0 || options_.packing == PackingPolicy::kAlways ||
                          (cost.has_value() && cost->WorthPacking(decoding + prefills, n));
-      if (n > prefill_budget || prefills_left == 0 || !packs) {
+      if (n > prefill_budget || prefills == options_.prefills_per_step || !packs) {
         prefill_closed = true;
         continue;
       }
       prefill_budget -= n;
-      --prefills_left;
       if (prefills++ > 0) ++local_.packed_prefills;
       StepInput in;
       in.sequence = a.sequence.get();

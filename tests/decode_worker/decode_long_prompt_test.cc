@@ -38,6 +38,7 @@
 #include "proto/health.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
 #include "tests/integration/child_process.h"
+#include "tests/integration/test_cpu_pool.h"
 
 namespace hmoe::decode {
 namespace {
@@ -188,14 +189,9 @@ TEST(DecodeLongPromptTest, FourKPromptOnSmallHasBoundedMemoryAndAgreesWithRefere
 
   // The same computation in process (prompt in 512-token chunks, then one token per step, as the
   // worker ran it), observing the engine's expert routing and logits.
-  CpuWorkerPoolOptions po;
-  po.num_nodes = 1;
-  po.threads_per_node = 2;
-  po.pin_threads = false;
-  auto pool = CpuWorkerPool::Create(po);
-  ASSERT_TRUE(pool.ok());
+  CpuWorkerPool& pool = ::hmoe::testing::TestCpuPool();
   CpuDeviceOptions dopt;
-  dopt.pool = pool->get();
+  dopt.pool = &pool;
   std::unique_ptr<Device> device = NewCpuDevice(dopt);
   const int64_t top_k = config.num_experts_per_tok;
   // routing[l][position] = sorted experts, MoE layers only.
@@ -212,7 +208,7 @@ TEST(DecodeLongPromptTest, FourKPromptOnSmallHasBoundedMemoryAndAgreesWithRefere
       routing[layer].push_back(std::move(e));
     }
   };
-  auto engine = EngineStepEngine::Create(config, **ckpt, *device, **pool, eo);
+  auto engine = EngineStepEngine::Create(config, **ckpt, *device, pool, eo);
   ASSERT_TRUE(engine.ok()) << engine.status();
   KvSequence seq = (*engine)->kv_cache().NewSequence();
   std::vector<std::vector<float>> engine_logits;

@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -58,24 +57,6 @@ inline constexpr float kSmallMarginTolerance = 1.25f;
 class ScopedTempDir : public ::hmoe::testing::TempDir {
  public:
   ScopedTempDir() : TempDir("hmoe_decode") {}
-};
-
-// Runs a function after the last test of the binary: a gtest global environment, registered
-// at namespace scope before main (gtest.h documents the idiom):
-//   [[maybe_unused]] ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(
-//       new testing::TearDownAfterLastTest([] { Models().clear(); }));
-// For fixtures that the cases of a binary share through a function-local static cache (a
-// checkpoint written into a ScopedTempDir, worker processes): ctest runs every case as its own
-// process, so a cache left for the OS to reclaim leaks its temp dir — 400 MB for `small` — on
-// every case of every run.
-class TearDownAfterLastTest : public ::testing::Environment {
- public:
-  explicit TearDownAfterLastTest(std::function<void()> tear_down)
-      : tear_down_(std::move(tear_down)) {}
-  void TearDown() override { tear_down_(); }
-
- private:
-  std::function<void()> tear_down_;
 };
 
 // Writes preset `name` (FP8, seed 0) to `dir`.

@@ -71,7 +71,7 @@ std::map<std::string, std::unique_ptr<Model>>& Models() {
   return *models;
 }
 [[maybe_unused]] ::testing::Environment* const kRemoveModels = ::testing::AddGlobalTestEnvironment(
-    new decode::testing::TearDownAfterLastTest([] { Models().clear(); }));
+    new ::hmoe::testing::TearDownAfterLastTest([] { Models().clear(); }));
 
 Model& GetModel(const std::string& preset) {
   std::map<std::string, std::unique_ptr<Model>>* const models = &Models();

@@ -9,12 +9,12 @@
 //
 // A directory that outlives its tests (a cache of fixtures in a function-local static, a pid-named
 // directory nobody removes) is a leak that grows with every run: ctest runs every case as its own
-// process. Keep fixtures in a TempDir that something destroys (see
-// tests/decode_worker/decode_test_util.h TearDownAfterLastTest).
+// process. Keep fixtures in a TempDir that something destroys (TearDownAfterLastTest below).
 
 #include <stdlib.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -50,6 +50,24 @@ class TempDir {
 
  private:
   std::string path_;
+};
+
+// Runs a function after the last test of the binary: a gtest global environment, registered
+// at namespace scope before main (gtest.h documents the idiom):
+//   [[maybe_unused]] ::testing::Environment* const kCleanup = ::testing::AddGlobalTestEnvironment(
+//       new hmoe::testing::TearDownAfterLastTest([] { Models().clear(); }));
+// For fixtures that the cases of a binary share through a function-local static cache (a
+// checkpoint written into a ScopedTempDir, worker processes): ctest runs every case as its own
+// process, so a cache left for the OS to reclaim leaks its temp dir — 400 MB for `small` — on
+// every case of every run.
+class TearDownAfterLastTest : public ::testing::Environment {
+ public:
+  explicit TearDownAfterLastTest(std::function<void()> tear_down)
+      : tear_down_(std::move(tear_down)) {}
+  void TearDown() override { tear_down_(); }
+
+ private:
+  std::function<void()> tear_down_;
 };
 
 }  // namespace hmoe::testing

@@ -68,7 +68,7 @@ std::map<std::string, std::unique_ptr<Stack>>& Stacks() {
   return *stacks;
 }
 [[maybe_unused]] ::testing::Environment* const kStopStacks = ::testing::AddGlobalTestEnvironment(
-    new ::hmoe::decode::testing::TearDownAfterLastTest([] { Stacks().clear(); }));
+    new ::hmoe::testing::TearDownAfterLastTest([] { Stacks().clear(); }));
 
 Stack* GetStack(const std::string& preset) {
   std::unique_ptr<Stack>& s = Stacks()[preset];
