@@ -31,7 +31,7 @@ namespace hmoe {
 namespace {
 
 constexpr uint64_t kMagic = 0x314d4d4f43454f4dull;  // "MOECOMM1" in memory order
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: slots pass through kSlotClaimed before kSlotAttached
 constexpr size_t kMessageHeaderBytes = 16;
 constexpr size_t kMinChannelBytes = 4096;
 constexpr size_t kMaxGroupNameBytes = 200;
@@ -70,10 +70,13 @@ const char* ReasonText(uint64_t reason) {
   }
 }
 
-// Slot states.
+// Slot states. A rank claims its slot (kSlotClaimed), writes its pid and first heartbeat, and
+// only then publishes kSlotAttached (release), so a peer that sees kSlotAttached (acquire) also
+// sees the pid: checking a pid not yet written would call a live rank dead.
 constexpr int32_t kSlotFree = 0;
 constexpr int32_t kSlotAttached = 1;
 constexpr int32_t kSlotDeparted = 2;
+constexpr int32_t kSlotClaimed = 3;
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free &&
                   std::atomic<int64_t>::is_always_lock_free &&
@@ -442,13 +445,14 @@ absl::StatusOr<std::unique_ptr<ShmCollective>> ShmCollective::Create(
   // Claim this rank's slot.
   RankSlot& slot = mapping->slot(o.rank);
   int32_t expected = kSlotFree;
-  if (!slot.state.compare_exchange_strong(expected, kSlotAttached, std::memory_order_acq_rel)) {
+  if (!slot.state.compare_exchange_strong(expected, kSlotClaimed, std::memory_order_acq_rel)) {
     return absl::AlreadyExistsError(absl::StrCat("shm group ", o.group_name, ": rank ", o.rank,
                                                  " is already taken (pid ",
                                                  slot.pid.load(std::memory_order_relaxed), ")"));
   }
   slot.pid.store(static_cast<int32_t>(::getpid()), std::memory_order_relaxed);
   slot.heartbeat_ns.store(MonotonicNs(), std::memory_order_relaxed);
+  slot.state.store(kSlotAttached, std::memory_order_release);
   mapping->header().attached.fetch_add(1, std::memory_order_acq_rel);
 
   std::unique_ptr<ShmCollective> c(new ShmCollective(o, std::move(mapping)));
@@ -488,7 +492,7 @@ absl::Status ShmCollective::Join(absl::Time deadline) {
     if (absl::Now() > deadline) {
       std::string missing;
       for (int p : peers) {
-        if (mapping_->slot(p).state.load(std::memory_order_acquire) == kSlotFree) {
+        if (mapping_->slot(p).state.load(std::memory_order_acquire) != kSlotAttached) {
           absl::StrAppend(&missing, missing.empty() ? "" : ",", p);
         }
       }
