@@ -24,7 +24,6 @@
 #include "absl/flags/usage.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -121,7 +120,6 @@ int Run(absl::Time process_start) {
   // We hold the instance lock, so a socket file left at this path is stale.
   ::unlink(socket_path.c_str());
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   WeightdServiceImpl service(daemon->get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
