@@ -10,6 +10,15 @@
 namespace hmoe::decode {
 namespace {
 
+// The model's fit is fixed_us +- fixed_tol and per_token_us +- per_token_tol.
+void ExpectFit(const StepCostModel& m, double fixed_us, double fixed_tol, double per_token_us,
+               double per_token_tol) {
+  const std::optional<StepCost> c = m.Estimate();
+  ASSERT_TRUE(c.has_value());
+  EXPECT_NEAR(c->fixed_us, fixed_us, fixed_tol);
+  EXPECT_NEAR(c->per_token_us, per_token_us, per_token_tol);
+}
+
 TEST(StepCostModelTest, RecoversFixedAndPerTokenCosts) {
   StepCostModel m(/*decay=*/0.98, /*min_samples=*/16);
   // 2000 us + 150 us per token, steps of 1..40 tokens, with +-5 % alternating noise.
@@ -18,20 +27,14 @@ TEST(StepCostModelTest, RecoversFixedAndPerTokenCosts) {
     const double noise = (i % 2 == 0) ? 1.05 : 0.95;
     m.Add(tokens, (2000.0 + 150.0 * static_cast<double>(tokens)) * noise);
   }
-  const std::optional<StepCost> c = m.Estimate();
-  ASSERT_TRUE(c.has_value());
-  EXPECT_NEAR(c->fixed_us, 2000.0, 200.0);
-  EXPECT_NEAR(c->per_token_us, 150.0, 15.0);
+  ExpectFit(m, 2000.0, 200.0, 150.0, 15.0);
 }
 
 TEST(StepCostModelTest, FollowsAChangeOfMachineMode) {
   StepCostModel m(0.9, 16);
   for (int i = 0; i < 100; ++i) m.Add(1 + i % 8, 1000.0 + 10.0 * (1 + i % 8));
   for (int i = 0; i < 100; ++i) m.Add(1 + i % 8, 4000.0 + 10.0 * (1 + i % 8));  // slower reads
-  const std::optional<StepCost> c = m.Estimate();
-  ASSERT_TRUE(c.has_value());
-  EXPECT_NEAR(c->fixed_us, 4000.0, 50.0);
-  EXPECT_NEAR(c->per_token_us, 10.0, 5.0);
+  ExpectFit(m, 4000.0, 50.0, 10.0, 5.0);
 }
 
 TEST(StepCostModelTest, NoEstimateBeforeEnoughStepsOfDifferentSizes) {
