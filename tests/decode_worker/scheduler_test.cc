@@ -365,12 +365,17 @@ TEST(SchedulerTest, RunningBatchNeverExceedsBatchSize) {
   options.batch_size = 3;
   options.chunk_size = 4;
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
+  ASSERT_NE(scheduler, nullptr);
   std::vector<std::shared_ptr<RequestChannel>> channels;
+  // Hold the engine while submitting: otherwise a submitting thread that loses the CPU lets the
+  // early requests finish alone, and the batch never fills (seen once in CI on a loaded VM).
+  engine.HoldSteps();
   for (int i = 0; i < 10; ++i) {
     auto ch = scheduler->Submit(Greedy(absl::StrCat("r", i), Prompt(3 + i, i), 5 + i));
     ASSERT_TRUE(ch.ok()) << ch.status();
     channels.push_back(*ch);
   }
+  engine.ReleaseSteps();
   for (int i = 0; i < 10; ++i) {
     EXPECT_EQ(Collect(*channels[i]).tokens, FakeGreedy(Prompt(3 + i, i), 5 + i, 97));
   }
