@@ -55,7 +55,9 @@ ABSL_FLAG(bool, cpu_devices_shared, true,
 ABSL_FLAG(std::string, dslp_ep_mode, "default",
           "DSLP expert parallelism: default, standard, small_ep");
 ABSL_FLAG(int, max_request_bytes, 4 << 20, "largest accepted request message");
-ABSL_FLAG(int, heartbeat_interval_ms, 1000, "heartbeat period suggested to workers");
+ABSL_FLAG(int, heartbeat_interval_ms, 0,
+          "heartbeat period the router asks workers for; 0: a third of --heartbeat_timeout_ms "
+          "(at most 1000); the timeout must be at least twice the period");
 ABSL_FLAG(int, heartbeat_timeout_ms, 3000, "a worker silent this long is dead");
 ABSL_FLAG(int, retry_wait_ms, 5000, "how long a retried request waits for a live decode worker");
 ABSL_FLAG(int, max_dispatch_attempts, 3,
@@ -178,11 +180,27 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // A worker that beats every `interval` is late by one interval plus its RPC time at the end of
+  // each period: a timeout under two intervals shows live workers as DEAD for part of every period.
+  const int heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
+  int heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
+  if (heartbeat_timeout_ms < 2 || heartbeat_interval_ms < 0) {
+    HMOE_LOG(ERROR) << "--heartbeat_timeout_ms must be >= 2 and --heartbeat_interval_ms >= 0 (got "
+                    << heartbeat_timeout_ms << " and " << heartbeat_interval_ms << ")";
+    return 2;
+  }
+  if (heartbeat_interval_ms == 0) {
+    heartbeat_interval_ms = std::max(1, std::min(1000, heartbeat_timeout_ms / 3));
+  } else if (heartbeat_timeout_ms < 2 * heartbeat_interval_ms) {
+    HMOE_LOG(ERROR) << "--heartbeat_timeout_ms (" << heartbeat_timeout_ms
+                    << ") must be at least twice --heartbeat_interval_ms (" << heartbeat_interval_ms
+                    << "): otherwise live workers show as DEAD between their heartbeats";
+    return 2;
+  }
   hmoe::router::RealClock clock;
   hmoe::router::WorkerRegistry registry(
-      &clock,
-      {.heartbeat_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_timeout_ms)),
-       .heartbeat_interval = absl::Milliseconds(absl::GetFlag(FLAGS_heartbeat_interval_ms))});
+      &clock, {.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms),
+               .heartbeat_interval = absl::Milliseconds(heartbeat_interval_ms)});
   std::unique_ptr<hmoe::router::DecodeClientFactory> decode_clients =
       hmoe::router::NewGrpcDecodeClientFactory();
   std::unique_ptr<hmoe::router::PrefillClientFactory> prefill_clients =

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -68,6 +69,12 @@ uint8_t Pattern(int rank, size_t i, int tag) {
 bool ObjectExists(const std::string& group) {
   struct stat st;
   return ::stat(absl::StrCat("/dev/shm", ShmGroupObjectName(group)).c_str(), &st) == 0;
+}
+
+bool HeaderPublished(const std::string& group) {
+  std::ifstream in(absl::StrCat("/dev/shm", ShmGroupObjectName(group)), std::ios::binary);
+  char magic[8] = {};
+  return in.read(magic, sizeof(magic)) && std::string(magic, sizeof(magic)) == "MOECOMM1";
 }
 
 void ExpectAllOk(const std::vector<RankExit>& exits) {
@@ -437,7 +444,12 @@ TEST(ShmCollectiveTest, StaleObjectsOfDeadCreatorsAreRemoved) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   ASSERT_TRUE(ObjectExists(dead) && ObjectExists(live));
-  absl::SleepFor(absl::Milliseconds(50));  // both published their headers
+  // Both publish their headers (the magic, "MOECOMM1", is the first field and is stored last):
+  // an object without one is only stale after a minute.
+  while ((!HeaderPublished(dead) || !HeaderPublished(live)) && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(HeaderPublished(dead) && HeaderPublished(live));
   ::kill(dying.pid(), SIGKILL);
   EXPECT_EQ(dying.Wait(std::chrono::seconds(5)).signal, SIGKILL);
   auto removed = RemoveStaleShmGroups();

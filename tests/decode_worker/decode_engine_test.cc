@@ -6,11 +6,15 @@
 #include <unistd.h>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <variant>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include <gtest/gtest.h>
 
@@ -36,6 +40,73 @@ struct Model {
 };
 
 Model* g_model = nullptr;
+
+// The real engine with a gate in front of its steps: while closed, StepBatch::Begin waits. Lets a
+// test submit several requests before the first step runs, so that they share steps however the
+// submitting thread is scheduled (on a loaded machine it may lose the CPU between two submits for
+// longer than a whole request takes).
+class GatedStepEngine final : public StepEngine {
+ public:
+  explicit GatedStepEngine(StepEngine& inner) : inner_(inner) {}
+
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    open_ = false;
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+
+  int64_t vocab_size() const override { return inner_.vocab_size(); }
+  int64_t num_layers() const override { return inner_.num_layers(); }
+  int64_t max_context_tokens() const override { return inner_.max_context_tokens(); }
+  const std::vector<int32_t>& eos_token_ids() const override { return inner_.eos_token_ids(); }
+  int64_t max_step_tokens() const override { return inner_.max_step_tokens(); }
+  int64_t max_step_sequences() const override { return inner_.max_step_sequences(); }
+  int64_t kv_block_tokens() const override { return inner_.kv_block_tokens(); }
+  int64_t kv_blocks_total() const override { return inner_.kv_blocks_total(); }
+  int64_t kv_blocks_free() const override { return inner_.kv_blocks_free(); }
+  KvHandoffShape kv_handoff_shape() const override { return inner_.kv_handoff_shape(); }
+  absl::StatusOr<std::unique_ptr<StepSequence>> NewSequence(int64_t reserve_tokens) override {
+    return inner_.NewSequence(reserve_tokens);
+  }
+  absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
+      int64_t reserve_tokens, const KvImportSource& source) override {
+    return inner_.NewImportedSequence(reserve_tokens, source);
+  }
+  absl::StatusOr<std::unique_ptr<StepBatch>> NewStepBatch() override {
+    absl::StatusOr<std::unique_ptr<StepBatch>> batch = inner_.NewStepBatch();
+    if (!batch.ok()) return batch.status();
+    return std::make_unique<Batch>(*this, *std::move(batch));
+  }
+  std::string device_name() const override { return inner_.device_name(); }
+
+ private:
+  class Batch final : public StepBatch {
+   public:
+    Batch(GatedStepEngine& engine, std::unique_ptr<StepBatch> inner)
+        : engine_(engine), inner_(std::move(inner)) {}
+    absl::Status Begin(std::span<const StepInput> inputs) override {
+      {
+        absl::MutexLock lock(&engine_.mu_);
+        engine_.mu_.Await(absl::Condition(&engine_.open_));
+      }
+      return inner_->Begin(inputs);
+    }
+    absl::Status RunAttention(int64_t layer) override { return inner_->RunAttention(layer); }
+    absl::Status RunFfn(int64_t layer) override { return inner_->RunFfn(layer); }
+    absl::StatusOr<std::vector<std::vector<float>>> Finish() override { return inner_->Finish(); }
+
+   private:
+    GatedStepEngine& engine_;
+    std::unique_ptr<StepBatch> inner_;
+  };
+
+  StepEngine& inner_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+};
 
 class DecodeEngineTest : public ::testing::Test {
  protected:
@@ -136,20 +207,24 @@ TEST_F(DecodeEngineTest, MixedBatchAgreesWithReferenceAndDualBatchChangesNothing
   for (int dual = 0; dual < 2; ++dual) {
     std::unique_ptr<EngineStepEngine> engine = MakeEngine(6, 8);
     ASSERT_NE(engine, nullptr);
+    GatedStepEngine gated(*engine);
     SchedulerOptions so;
     so.batch_size = 6;
     so.chunk_size = 8;
     so.dual_batch = dual == 1;
-    auto scheduler = Scheduler::Create(*engine, so);
+    auto scheduler = Scheduler::Create(gated, so);
     ASSERT_TRUE(scheduler.ok()) << scheduler.status();
     std::vector<std::shared_ptr<RequestChannel>> channels;
+    gated.Close();  // all six wait for the first step: they share the steps that follow
     for (size_t i = 0; i < lengths.size(); ++i) {
       auto ch = (*scheduler)
                     ->Submit(Greedy(absl::StrCat("r", i), Prompt(lengths[i], static_cast<int>(i)),
                                     kTokens));
-      ASSERT_TRUE(ch.ok()) << ch.status();
-      channels.push_back(*ch);
+      EXPECT_TRUE(ch.ok()) << ch.status();
+      if (ch.ok()) channels.push_back(*ch);
     }
+    gated.Open();  // before any ASSERT: the scheduler's shutdown must not wait on a closed gate
+    ASSERT_EQ(channels.size(), lengths.size());
     for (size_t i = 0; i < channels.size(); ++i) {
       Result r = Collect(*channels[i]);
       ASSERT_EQ(r.finish.cause, FinishCause::kLength) << r.finish.error;

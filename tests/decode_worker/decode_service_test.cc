@@ -236,7 +236,7 @@ TEST(RegistryClientTest, RetriesUntilTheRouterComesUpAndReRegistersAfterItForget
   o.pid = 1234;
   o.initial_backoff = absl::Milliseconds(10);
   o.max_backoff = absl::Milliseconds(50);
-  o.rpc_timeout = absl::Milliseconds(500);
+  o.rpc_timeout = absl::Seconds(10);  // one slow heartbeat under TSan must not unregister it
   RegistryClient client(o, [] {
     WorkerLoadReport r;
     r.running = 3;

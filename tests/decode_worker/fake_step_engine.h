@@ -349,9 +349,10 @@ class FakeStepBatch final : public StepBatch {
     engine_->batch_active_[index_] = false;
   }
 
-  // With the probe on, waits (up to 2 s) until every other micro-batch has entered
-  // RunAttention(layer) of this same step (or finished it): a serial runner never gets there, an
-  // overlapping one gets there while this RunFfn is in progress (counted as an overlap).
+  // With the probe on, waits until every other micro-batch has entered RunAttention(layer) of this
+  // same step (or finished it): a serial runner never gets there, an overlapping one gets there
+  // while this RunFfn is in progress (counted as an overlap). Up to 20 s: the other micro-batch's
+  // thread may lose the CPU for a while on a loaded machine or under TSan.
   void Probe(int64_t layer) {
     absl::MutexLock lock(&engine_->mu_);
     if (!engine_->probe_) return;
@@ -363,7 +364,7 @@ class FakeStepBatch final : public StepBatch {
         return step > my_step || (step == my_step && (engine_->attention_layer_[b] >= layer ||
                                                       !engine_->batch_active_[b]));
       };
-      if (engine_->mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(2))) {
+      if (engine_->mu_.AwaitWithTimeout(absl::Condition(&reached), absl::Seconds(20))) {
         if (engine_->batch_step_[b] == my_step && engine_->batch_active_[b]) ++engine_->overlaps_;
       } else {
         ++engine_->probe_timeouts_;

@@ -281,8 +281,10 @@ TEST(StreamingWeightsTest, BudgetSmallerThanOneModuleFailsClearly) {
 // prefill is correct.
 TEST(StreamingWeightsTest, ScheduleViolationsStallsAndAbortsFailCleanly) {
   Model& model = Tiny();
+  // The stall timeout bounds every wait of the final full prefill too, so it leaves room for a
+  // loader thread that loses the CPU on a loaded machine or under TSan.
   auto rig = SlpRig::Make(
-      model, {.ring_slots = 1, .budget_bytes = 4 << 20, .stall_timeout = absl::Milliseconds(300)});
+      model, {.ring_slots = 1, .budget_bytes = 4 << 20, .stall_timeout = absl::Seconds(2)});
   ASSERT_NE(rig, nullptr);
   StreamingWeights& w = *rig->weights;
   auto stream = rig->device->CreateStream();
@@ -308,7 +310,8 @@ TEST(StreamingWeightsTest, ScheduleViolationsStallsAndAbortsFailCleanly) {
   const absl::Time start = absl::Now();
   const absl::Status stalled = w.Acquire(schedule[i + 1], s).status();
   EXPECT_EQ(stalled.code(), absl::StatusCode::kDeadlineExceeded) << stalled;
-  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(1900));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));
   auto aborted = w.EndPrefill(/*abort=*/true);
   EXPECT_TRUE(aborted.ok()) << aborted.status();
   EXPECT_EQ(w.EndPrefill().status().code(), absl::StatusCode::kFailedPrecondition);

@@ -173,7 +173,9 @@ TEST_F(PrefillWorkerTest, HandOffToTheDecodeWorkerContinuesTheSequence) {
 }
 
 TEST_F(PrefillWorkerTest, UnclaimedExportIsFreedAfterTheTimeout) {
-  auto prefill = StartPrefill("timeout", {"--export-timeout-seconds", "1"});
+  // Long enough that the export still exists when the response has reached this test on a
+  // loaded machine; short enough to wait for.
+  auto prefill = StartPrefill("timeout", {"--export-timeout-seconds", "4"});
   ASSERT_NE(prefill, nullptr);
   PrefillClient client(*prefill);
   v1::PrefillResponse prefilled;
@@ -193,7 +195,7 @@ TEST_F(PrefillWorkerTest, UnclaimedExportIsFreedAfterTheTimeout) {
 // The decode worker dies between Admit and its acknowledgement: nobody releases the export, the
 // prefill worker frees it after the timeout, and no segment is left anywhere.
 TEST_F(PrefillWorkerTest, DecodeWorkerKilledMidImportLeaksNoSegment) {
-  auto prefill = StartPrefill("killed", {"--export-timeout-seconds", "2"});
+  auto prefill = StartPrefill("killed", {"--export-timeout-seconds", "4"});
   auto decode = StartDecode("killed");
   ASSERT_NE(prefill, nullptr);
   ASSERT_NE(decode, nullptr);

@@ -78,11 +78,14 @@ class Sink : public GenerateSink {
 
 class RouterPrefillTest : public ::testing::Test {
  protected:
-  void Start(RouterOptions options = {}) {
+  // `retry_wait`: how long a retry waits for a live decode worker. Short by default so that the
+  // tests where none comes end quickly; a test where another thread brings one back passes a
+  // generous one.
+  void Start(RouterOptions options = {}, absl::Duration retry_wait = absl::Milliseconds(200)) {
     options.limits = {.vocab_size = 1000, .context_length = 4096};
     options.policy.chunk_threshold_tokens = kThreshold;
     options.cancel_poll = absl::Milliseconds(2);
-    options.retry_wait = absl::Milliseconds(200);
+    options.retry_wait = retry_wait;
     router_ = std::make_unique<Router>(options, &registry_, &decode_, &prefill_, nullptr, &clock_);
   }
   void AddDecode(const std::string& id, const std::string& device, Script script) {
@@ -372,7 +375,7 @@ TEST_F(RouterPrefillTest, DecodeRefusingTheHandoffStillReleasesIt) {
 }
 
 TEST_F(RouterPrefillTest, DecodeDyingBeforeTheImportRetriesAndReleasesBothHandoffs) {
-  Start();
+  Start({}, absl::Seconds(30));  // the restart thread below must re-register d0 within it
   AddDecode("d0", "cuda:0", {.tokens = {5}, .import_error = absl::UnavailableError("killed")});
   AddPrefill("p1", "cuda:1", {.first_token = 4});
   Sink sink;
@@ -545,7 +548,9 @@ TEST_F(RouterPrefillTest, OneDslpRankFailingCancelsTheOthersAndRetries) {
 // other ranks at once, so the dead rank's own failed call names it; only that worker is marked
 // dead and the retry (decode idle, one live prefill worker) runs SLP on the live one.
 TEST_F(RouterPrefillTest, DslpRankReportingABrokenGroupLetsTheDeadRankNameItself) {
-  Start();
+  RouterOptions o;
+  o.dslp_failure_grace = absl::Seconds(30);  // the opener below must open the gate within it
+  Start(o);
   AddDecode("d0", "cuda:0", {.tokens = {5}});
   Gate gate;
   AddPrefill(
@@ -555,7 +560,7 @@ TEST_F(RouterPrefillTest, DslpRankReportingABrokenGroupLetsTheDeadRankNameItself
              {.dslp_status = absl::UnavailableError("Socket closed"), .gate = &gate});
   std::jthread opener([&] {
     WaitUntil([&] { return Prefills("p0") == 1 && Prefills("p1") == 1; }, "both ranks running");
-    absl::SleepFor(absl::Milliseconds(50));  // well within dslp_failure_grace
+    absl::SleepFor(absl::Milliseconds(50));  // p0's ABORTED reaches the router first
     gate.Open();
   });
   Sink sink;

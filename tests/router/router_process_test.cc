@@ -95,12 +95,11 @@ TEST_F(RouterProcessTest, ServesHealthStatusAndGenerationThroughAFakeWorker) {
   const std::string port_file = dir_ + "/port";
   const std::string registry_socket = dir_ + "/sockets/registry.sock";
   ChildOptions options;
-  options.argv = {kRouter,
-                  "--listen=127.0.0.1:0",
-                  "--vocab_size=1000",
-                  "--context_length=256",
-                  "--port_file=" + port_file,
-                  "--registry_socket=" + registry_socket};
+  options.argv = {kRouter, "--listen=127.0.0.1:0", "--vocab_size=1000", "--context_length=256",
+                  "--port_file=" + port_file, "--registry_socket=" + registry_socket,
+                  // This test registers once and never heartbeats: the worker must stay LIVE
+                  // however long the client processes below take to start on a loaded machine.
+                  "--heartbeat_timeout_ms=600000"};
   options.stderr_path = dir_ + "/router.err";
   absl::StatusOr<ChildProcess> router = ChildProcess::Start(std::move(options));
   ASSERT_TRUE(router.ok()) << router.status();
@@ -196,6 +195,40 @@ TEST_F(RouterProcessTest, ServesHealthStatusAndGenerationThroughAFakeWorker) {
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 0) << router->ReadStderr();
   worker->Shutdown();
+}
+
+TEST_F(RouterProcessTest, HeartbeatTimeoutUnderTwoPeriodsExitsTwoNamingBothFlags) {
+  // A worker beating every period arrives a period plus its RPC time after the last beat: with a
+  // timeout under two periods live workers would flap to DEAD. The default period follows the
+  // timeout, so the timeout alone is always fine.
+  struct Case {
+    std::vector<std::string> flags;
+    int exit_code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--heartbeat_timeout_ms=1000", "--heartbeat_interval_ms=600"},
+       2,
+       "--heartbeat_timeout_ms (1000) must be at least twice --heartbeat_interval_ms (600)"},
+      {{"--heartbeat_timeout_ms=1", "--heartbeat_interval_ms=0"},
+       2,
+       "--heartbeat_timeout_ms must be >= 2"},
+      {{"--heartbeat_interval_ms=-5"}, 2, "--heartbeat_interval_ms >= 0"},
+  };
+  for (const Case& c : cases) {
+    ChildOptions options;
+    options.argv = {kRouter, "--listen=127.0.0.1:0", "--vocab_size=1000", "--context_length=256",
+                    "--registry_socket=" + dir_ + "/sockets/r.sock"};
+    options.argv.insert(options.argv.end(), c.flags.begin(), c.flags.end());
+    options.stderr_path = dir_ + "/bad_flags.err";
+    absl::StatusOr<ChildProcess> router = ChildProcess::Start(std::move(options));
+    ASSERT_TRUE(router.ok()) << router.status();
+    absl::StatusOr<int> code = router->WaitForExit(std::chrono::seconds(30));
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, c.exit_code) << c.flags[0];
+    EXPECT_TRUE(absl::StrContains(router->ReadStderr(), c.message))
+        << c.flags[0] << ": " << router->ReadStderr();
+  }
 }
 
 }  // namespace
