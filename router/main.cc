@@ -180,27 +180,17 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  // A worker that beats every `interval` is late by one interval plus its RPC time at the end of
-  // each period: a timeout under two intervals shows live workers as DEAD for part of every period.
   const int heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
-  int heartbeat_interval_ms = absl::GetFlag(FLAGS_heartbeat_interval_ms);
-  if (heartbeat_timeout_ms < 2 || heartbeat_interval_ms < 0) {
-    HMOE_LOG(ERROR) << "--heartbeat_timeout_ms must be >= 2 and --heartbeat_interval_ms >= 0 (got "
-                    << heartbeat_timeout_ms << " and " << heartbeat_interval_ms << ")";
-    return 2;
-  }
-  if (heartbeat_interval_ms == 0) {
-    heartbeat_interval_ms = std::max(1, std::min(1000, heartbeat_timeout_ms / 3));
-  } else if (heartbeat_timeout_ms < 2 * heartbeat_interval_ms) {
-    HMOE_LOG(ERROR) << "--heartbeat_timeout_ms (" << heartbeat_timeout_ms
-                    << ") must be at least twice --heartbeat_interval_ms (" << heartbeat_interval_ms
-                    << "): otherwise live workers show as DEAD between their heartbeats";
+  const absl::StatusOr<int> heartbeat_interval_ms = hmoe::router::ResolveHeartbeatIntervalMs(
+      heartbeat_timeout_ms, absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  if (!heartbeat_interval_ms.ok()) {
+    HMOE_LOG(ERROR) << heartbeat_interval_ms.status().message();
     return 2;
   }
   hmoe::router::RealClock clock;
   hmoe::router::WorkerRegistry registry(
       &clock, {.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms),
-               .heartbeat_interval = absl::Milliseconds(heartbeat_interval_ms)});
+               .heartbeat_interval = absl::Milliseconds(*heartbeat_interval_ms)});
   std::unique_ptr<hmoe::router::DecodeClientFactory> decode_clients =
       hmoe::router::NewGrpcDecodeClientFactory();
   std::unique_ptr<hmoe::router::PrefillClientFactory> prefill_clients =

@@ -172,4 +172,20 @@ absl::Status ValidateListenAddress(const std::string& address) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int> ResolveHeartbeatIntervalMs(int timeout_ms, int interval_ms) {
+  if (timeout_ms < 2 || interval_ms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--heartbeat_timeout_ms must be >= 2 and --heartbeat_interval_ms >= 0 (got ",
+                     timeout_ms, " and ", interval_ms, ")"));
+  }
+  if (interval_ms == 0) return std::max(1, std::min(1000, timeout_ms / 3));
+  if (timeout_ms < 2 * interval_ms) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--heartbeat_timeout_ms (", timeout_ms,
+                     ") must be at least twice --heartbeat_interval_ms (", interval_ms,
+                     "): otherwise live workers show as DEAD between their heartbeats"));
+  }
+  return interval_ms;
+}
+
 }  // namespace hmoe::router

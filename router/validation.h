@@ -55,4 +55,11 @@ absl::Status ValidateSampling(const hmoe::v1::SamplingParams& sampling);
 // --listen otherwise (gRPC itself would bind a port other than the one meant, e.g. for 99999).
 absl::Status ValidateListenAddress(const std::string& address);
 
+// The heartbeat period (ms) the router asks workers for, from --heartbeat_timeout_ms and
+// --heartbeat_interval_ms: 0 means a third of the timeout, at most 1000. A worker beating every
+// period arrives a period plus its RPC time after its last beat, so a timeout under two periods
+// would show live workers as DEAD for part of every period: InvalidArgument naming both flags, as
+// for a timeout under 2 or a negative period.
+absl::StatusOr<int> ResolveHeartbeatIntervalMs(int timeout_ms, int interval_ms);
+
 }  // namespace hmoe::router

@@ -81,6 +81,24 @@ TEST(ValidationTest, ListenAddresses) {
   }
 }
 
+TEST(ValidationTest, HeartbeatPeriodFollowsTheTimeoutAndMustFitTwiceInIt) {
+  EXPECT_EQ(ResolveHeartbeatIntervalMs(3000, 0).value_or(-1), 1000);
+  EXPECT_EQ(ResolveHeartbeatIntervalMs(9000, 0).value_or(-1), 1000);  // at most 1000 by default
+  EXPECT_EQ(ResolveHeartbeatIntervalMs(1000, 0).value_or(-1), 333);
+  EXPECT_EQ(ResolveHeartbeatIntervalMs(2, 0).value_or(-1), 1);
+  EXPECT_EQ(ResolveHeartbeatIntervalMs(1000, 500).value_or(-1), 500);  // exactly twice is fine
+  const std::vector<std::pair<std::pair<int, int>, std::string>> bad = {
+      {{1000, 501}, "must be at least twice --heartbeat_interval_ms (501)"},
+      {{1, 0}, "--heartbeat_timeout_ms must be >= 2"},
+      {{3000, -5}, "--heartbeat_interval_ms >= 0"},
+  };
+  for (const auto& [flags, why] : bad) {
+    const absl::StatusOr<int> r = ResolveHeartbeatIntervalMs(flags.first, flags.second);
+    EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << flags.first << "/" << flags.second;
+    EXPECT_TRUE(absl::StrContains(r.status().message(), why)) << r.status();
+  }
+}
+
 TEST(ValidationTest, GoodRequestPasses) {
   const v1::GenerateRequest r = GoodRequest();
   EXPECT_TRUE(ValidateGenerateRequest(r, kLimits, nullptr).ok());
