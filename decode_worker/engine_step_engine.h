@@ -14,10 +14,10 @@
 #include "common/device/device.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/weights.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 #include "decode_worker/step_engine.h"
 
 namespace hmoe::decode {

@@ -30,11 +30,11 @@
 #include "common/dslp/dslp.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/sampler.h"
 #include "common/engine/streaming_weights.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 #include "prefill_worker/kv_exports.h"
 
 namespace hmoe::prefill {

@@ -34,9 +34,9 @@
 #include "common/dslp/dslp.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory");
 ABSL_FLAG(int, world_size, 2, "ranks (processes)");

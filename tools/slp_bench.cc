@@ -36,10 +36,10 @@
 #include "common/device/cpu_device.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/streaming_weights.h"
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory");
 ABSL_FLAG(int, prompt_tokens, 256, "prompt length");

@@ -19,8 +19,8 @@
 #include <mutex>
 
 #include "common/device/device.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/kernels/cpu/fp8_gemv.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 namespace hmoe {
 

@@ -35,11 +35,11 @@
 
 #include "common/device/device.h"
 #include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
-#include "common/engine/moe_cpu/moe_executor.h"
 #include "common/engine/weights.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 #include "common/model/model_config.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
+#include "common/ops/cpu/moe_executor.h"
 
 namespace hmoe {
 

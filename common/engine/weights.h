@@ -39,9 +39,9 @@
 #include "absl/status/statusor.h"
 
 #include "common/device/device.h"
-#include "common/engine/moe_cpu/moe_executor.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor.h"
+#include "common/ops/cpu/moe_executor.h"
 
 namespace hmoe {
 

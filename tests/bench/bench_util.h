@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 namespace hmoe::bench {
 

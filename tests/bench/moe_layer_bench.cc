@@ -19,9 +19,9 @@
 #include <benchmark/benchmark.h>
 
 #include "common/base/logging.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
-#include "common/engine/moe_cpu/moe_executor.h"
 #include "common/kernels/cpu/fp8_gemv.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
+#include "common/ops/cpu/moe_executor.h"
 #include "tests/bench/bench_util.h"
 
 namespace hmoe::bench {

@@ -19,10 +19,10 @@
 #include <gtest/gtest.h>
 
 #include "common/device/cpu_device.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/kv/kv_handoff.h"
 #include "common/model/checkpoint.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 #include "decode_worker/engine_step_engine.h"
 #include "decode_worker/scheduler.h"
 #include "tests/decode_worker/decode_test_util.h"

@@ -21,9 +21,9 @@
 #include "common/device/cpu_device.h"
 #include "common/device/memory_budget.h"
 #include "common/device/ring_buffer.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/reference/reference_ops.h"
 #include "common/model/dtype.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 #include "tests/integration/test_cpu_pool.h"
 
 namespace hmoe {

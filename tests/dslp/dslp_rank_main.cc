@@ -26,9 +26,9 @@
 #include "common/dslp/dslp.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 #include "tests/dslp/rank_output.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory");

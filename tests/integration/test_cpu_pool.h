@@ -6,7 +6,7 @@
 // function-local statics of the tests too).
 
 #include "common/base/logging.h"
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 namespace hmoe::testing {
 

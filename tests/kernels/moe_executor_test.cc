@@ -1,4 +1,4 @@
-#include "common/engine/moe_cpu/moe_executor.h"
+#include "common/ops/cpu/moe_executor.h"
 
 #include <algorithm>
 #include <atomic>
@@ -12,11 +12,11 @@
 
 #include <gtest/gtest.h>
 
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/engine/reference/reference_ops.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 #include "common/kernels/shared_math.h"
 #include "common/model/tensor.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 namespace hmoe {
 namespace {

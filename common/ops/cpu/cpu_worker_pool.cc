@@ -1,4 +1,4 @@
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 #include <pthread.h>
 #include <sched.h>

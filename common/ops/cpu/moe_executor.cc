@@ -1,4 +1,4 @@
-#include "common/engine/moe_cpu/moe_executor.h"
+#include "common/ops/cpu/moe_executor.h"
 
 #include <algorithm>
 #include <array>

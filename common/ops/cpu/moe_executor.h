@@ -29,9 +29,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-#include "common/engine/moe_cpu/cpu_worker_pool.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 #include "common/model/tensor.h"
+#include "common/ops/cpu/cpu_worker_pool.h"
 
 namespace hmoe {
 
