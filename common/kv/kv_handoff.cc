@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "common/base/errno_status.h"
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
 
@@ -19,24 +20,6 @@ namespace hmoe {
 namespace {
 
 std::string ShmPath(std::string_view name) { return absl::StrCat("/", std::string(name)); }
-
-absl::Status ErrnoStatus(int err, absl::string_view what) {
-  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
-  switch (err) {
-    case ENOENT:
-      return absl::NotFoundError(message);
-    case EEXIST:
-      return absl::AlreadyExistsError(message);
-    case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(message);
-    case ENOMEM:
-    case ENOSPC:
-      return absl::ResourceExhaustedError(message);
-    default:
-      return absl::InternalError(message);
-  }
-}
 
 absl::Status Mismatch(absl::string_view field, uint64_t got, uint64_t want) {
   return absl::InvalidArgumentError(

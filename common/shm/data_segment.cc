@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
+#include "common/base/errno_status.h"
 #include "common/base/logging.h"
 
 #ifndef SHM_HUGE_SHIFT
@@ -32,27 +33,6 @@ namespace hmoe::shm {
 namespace {
 
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
-
-absl::Status ErrnoStatus(int err, const std::string& what) {
-  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
-  switch (err) {
-    case ENOENT:
-    case EIDRM:
-      return absl::NotFoundError(message);
-    case EACCES:
-    case EPERM:
-      return absl::PermissionDeniedError(message);
-    case ENOMEM:
-    case ENOSPC:
-      return absl::ResourceExhaustedError(message);
-    case EEXIST:
-      return absl::AlreadyExistsError(message);
-    case EINVAL:
-      return absl::InvalidArgumentError(message);
-    default:
-      return absl::InternalError(message);
-  }
-}
 
 std::string ShmPath(const std::string& name) { return "/dev/shm/" + name; }
 
