@@ -16,7 +16,6 @@
 #include "common/base/status_macros.h"
 #include "common/device/cpu_internal.h"
 #include "common/device/memory_budget.h"
-#include "common/engine/reference/reference_ops.h"
 #include "common/kernels/cpu/bf16_gemv.h"
 #include "common/kernels/cpu/f32_ops.h"
 #include "common/kernels/shared_math.h"
@@ -460,20 +459,13 @@ class CpuDevice final : public Device {
       bias_f32.resize(e);
       for (int64_t i = 0; i < e; ++i) bias_f32[i] = ReadElement(bias.dtype, bias.data, i);
     }
-    reference::MoeGateParams p;
-    p.num_experts = e;
-    p.top_k = params.top_k;
-    p.n_group = params.n_group;
-    p.topk_group = params.topk_group;
-    p.norm_topk_prob = params.norm_topk_prob;
-    p.routed_scaling_factor = params.routed_scaling_factor;
+    // The production gate shared with the CUDA kernel (kernels::MoeGateSelect); the tests compare
+    // it with reference::MoeGate, an independent implementation.
+    std::vector<double> scratch((kernels::MoeGateScratchBytes(e, params.n_group) + 7) / 8);
     for (int64_t t = 0; t < n; ++t) {
-      const reference::MoeGateResult r =
-          reference::MoeGate(std::span<const float>(logits).subspan(t * e, e), bias_f32, p);
-      for (int64_t j = 0; j < params.top_k; ++j) {
-        ids[t * params.top_k + j] = r.experts[j];
-        weights[t * params.top_k + j] = r.weights[j];
-      }
+      kernels::MoeGateSelect(logits.data() + t * e, bias_f32.empty() ? nullptr : bias_f32.data(),
+                             params, scratch.data(), ids + t * params.top_k,
+                             weights + t * params.top_k);
     }
     return absl::OkStatus();
   }

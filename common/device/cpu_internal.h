@@ -28,6 +28,11 @@ using ParallelRunner = absl::FunctionRef<void(absl::FunctionRef<void(int, int)>)
 // InvalidArgument unless `w` is a usable FP8 / BF16 / F32 weight view.
 absl::Status CheckLinearWeight(const LinearWeight& w, const char* what);
 
+// InvalidArgument unless `a` is a well-formed MLA call on any device (dimensions, q/out strides,
+// W_UK^T and kv_b shapes, cache view, segments). `partial`: MlaAttentionPartial, which neither
+// projects (kv_b) nor writes `out`. Device-specific limits are the device's own checks.
+absl::Status CheckMlaAttentionArgs(const MlaAttentionArgs& a, bool partial);
+
 // Bytes of one packed activation row of w.cols elements for `w`'s dtype (0 for F32: the F32 path
 // reads the activations directly).
 int64_t PackedRowBytes(const CpuKernels& k, const LinearWeight& w);

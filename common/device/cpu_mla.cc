@@ -51,51 +51,6 @@ struct ThreadScratch {
 
 thread_local ThreadScratch tls_scratch;
 
-// `partial`: MlaAttentionPartial, which neither projects (kv_b) nor writes `out`.
-absl::Status Validate(const MlaAttentionArgs& a, bool partial) {
-  const MlaDimensions& d = a.dims;
-  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
-      d.kv_lora_rank <= 0) {
-    return absl::InvalidArgumentError("mla attention: non-positive dimension");
-  }
-  if (a.q == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
-      (!partial && (a.out == nullptr || a.out_stride < d.num_heads * d.v_dim))) {
-    return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
-  }
-  if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mla attention: ", a.w_uk_t.size(), " W_UK^T heads, expected ", d.num_heads));
-  }
-  for (const LinearWeight& w : a.w_uk_t) {
-    HMOE_RETURN_IF_ERROR(CheckLinearWeight(w, "mla attention W_UK^T"));
-    if (w.rows != d.kv_lora_rank || w.cols != d.nope_dim) {
-      return absl::InvalidArgumentError(absl::StrCat("mla attention: W_UK^T is [", w.rows, ", ",
-                                                     w.cols, "], expected [", d.kv_lora_rank, ", ",
-                                                     d.nope_dim, "]"));
-    }
-  }
-  if (!partial) {
-    HMOE_RETURN_IF_ERROR(CheckLinearWeight(a.kv_b, "mla attention kv_b"));
-    if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
-      return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
-    }
-  }
-  if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
-      a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
-      a.cache.block_stride < a.cache.block_size * a.cache.row_floats) {
-    return absl::InvalidArgumentError("mla attention: bad cache view");
-  }
-  if (!a.segments.empty() && a.block_tables == nullptr) {
-    return absl::InvalidArgumentError("mla attention: no block tables");
-  }
-  for (const MlaSegment& s : a.segments) {
-    if (s.num_queries < 0 || s.start_pos < 0 || s.query_begin < 0 || s.block_table_offset < 0) {
-      return absl::InvalidArgumentError("mla attention: bad segment");
-    }
-  }
-  return absl::OkStatus();
-}
-
 // Sequence rows of one segment, [begin, begin + count) of the group, processed together, against
 // the keys [range.begin, range.end) (and causality).
 void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const MlaKeyRange& range,
@@ -291,10 +246,54 @@ void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const MlaPartialSta
 
 }  // namespace
 
+absl::Status CheckMlaAttentionArgs(const MlaAttentionArgs& a, bool partial) {
+  const MlaDimensions& d = a.dims;
+  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
+      d.kv_lora_rank <= 0) {
+    return absl::InvalidArgumentError("mla attention: non-positive dimension");
+  }
+  if (a.q == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
+      (!partial && (a.out == nullptr || a.out_stride < d.num_heads * d.v_dim))) {
+    return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
+  }
+  if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mla attention: ", a.w_uk_t.size(), " W_UK^T heads, expected ", d.num_heads));
+  }
+  for (const LinearWeight& w : a.w_uk_t) {
+    HMOE_RETURN_IF_ERROR(CheckLinearWeight(w, "mla attention W_UK^T"));
+    if (w.rows != d.kv_lora_rank || w.cols != d.nope_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("mla attention: W_UK^T is [", w.rows, ", ",
+                                                     w.cols, "], expected [", d.kv_lora_rank, ", ",
+                                                     d.nope_dim, "]"));
+    }
+  }
+  if (!partial) {
+    HMOE_RETURN_IF_ERROR(CheckLinearWeight(a.kv_b, "mla attention kv_b"));
+    if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
+      return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
+    }
+  }
+  if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
+      a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
+      a.cache.block_stride < a.cache.block_size * a.cache.row_floats) {
+    return absl::InvalidArgumentError("mla attention: bad cache view");
+  }
+  if (!a.segments.empty() && a.block_tables == nullptr) {
+    return absl::InvalidArgumentError("mla attention: no block tables");
+  }
+  for (const MlaSegment& s : a.segments) {
+    if (s.num_queries < 0 || s.start_pos < 0 || s.query_begin < 0 || s.block_table_offset < 0) {
+      return absl::InvalidArgumentError("mla attention: bad segment");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuMlaAttention(const CpuKernels& kernels, ParallelRunner run,
                              const MlaAttentionArgs& args, bool decode,
                              const MlaPartialState* partial) {
-  HMOE_RETURN_IF_ERROR(Validate(args, partial != nullptr));
+  HMOE_RETURN_IF_ERROR(CheckMlaAttentionArgs(args, partial != nullptr));
   if (partial != nullptr) {
     if (args.key_ranges.size() != args.segments.size()) {
       return absl::InvalidArgumentError(

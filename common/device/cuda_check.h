@@ -1,6 +1,6 @@
 #pragma once
 
-// CUDA and cuBLAS errors turned into absl::Status (STYLE.md Part 2 §3). Host code of the CUDA
+// CUDA and cuBLAS errors turned into absl::Status (docs/style.md §3). Host code of the CUDA
 // backend only (includes CUDA headers): cuda_device.cc and its helpers, never a portable header.
 // A CUDA failure is Internal (a bug, or a sticky device error after which the worker exits);
 // messages name the call, the error and the source location.

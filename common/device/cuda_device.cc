@@ -333,49 +333,18 @@ absl::Status RunLinear(CudaStream& s, const LinearPlan& plan, std::byte* scratch
 
 // ---------------------------------------------------------------------------------- MLA
 
-// `partial`: MlaAttentionPartial, which neither projects (kv_b) nor writes `out`.
+// internal::CheckMlaAttentionArgs plus what the CUDA kernels add: W_UK^T heads of one dtype, row
+// indices that fit int32, and the attention kernel's shared-memory limits.
 absl::Status ValidateMla(const MlaAttentionArgs& a, bool partial) {
+  HMOE_RETURN_IF_ERROR(internal::CheckMlaAttentionArgs(a, partial));
   const MlaDimensions& d = a.dims;
-  if (d.num_heads <= 0 || d.nope_dim <= 0 || d.rope_dim <= 0 || d.v_dim <= 0 ||
-      d.kv_lora_rank <= 0) {
-    return absl::InvalidArgumentError("mla attention: non-positive dimension");
-  }
-  if (a.q == nullptr || a.q_stride < d.num_heads * (d.nope_dim + d.rope_dim) ||
-      (!partial && (a.out == nullptr || a.out_stride < d.num_heads * d.v_dim))) {
-    return absl::InvalidArgumentError("mla attention: bad q/out pointers or strides");
-  }
-  if (static_cast<int64_t>(a.w_uk_t.size()) != d.num_heads) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("mla attention: ", a.w_uk_t.size(), " W_UK^T heads, expected ", d.num_heads));
-  }
   for (const LinearWeight& w : a.w_uk_t) {
-    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(w, "mla attention W_UK^T"));
-    if (w.rows != d.kv_lora_rank || w.cols != d.nope_dim) {
-      return absl::InvalidArgumentError(absl::StrCat("mla attention: W_UK^T is [", w.rows, ", ",
-                                                     w.cols, "], expected [", d.kv_lora_rank, ", ",
-                                                     d.nope_dim, "]"));
-    }
     if (w.dtype != a.w_uk_t[0].dtype) {
       return absl::InvalidArgumentError("mla attention: W_UK^T heads of different dtypes");
     }
   }
-  if (!partial) {
-    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(a.kv_b, "mla attention kv_b"));
-    if (a.kv_b.rows < d.num_heads * (d.nope_dim + d.v_dim) || a.kv_b.cols != d.kv_lora_rank) {
-      return absl::InvalidArgumentError("mla attention: kv_b has the wrong shape");
-    }
-  }
-  if (a.cache.base == nullptr || a.cache.block_size <= 0 ||
-      a.cache.row_floats != d.kv_lora_rank + d.rope_dim ||
-      a.cache.block_stride < a.cache.block_size * a.cache.row_floats) {
-    return absl::InvalidArgumentError("mla attention: bad cache view");
-  }
-  if (!a.segments.empty() && a.block_tables == nullptr) {
-    return absl::InvalidArgumentError("mla attention: no block tables");
-  }
   for (const MlaSegment& s : a.segments) {
-    if (s.num_queries < 0 || s.start_pos < 0 || s.query_begin < 0 || s.block_table_offset < 0 ||
-        s.query_begin + s.num_queries > INT32_MAX) {
+    if (s.query_begin + s.num_queries > INT32_MAX) {
       return absl::InvalidArgumentError("mla attention: bad segment");
     }
   }
@@ -477,7 +446,7 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
     }
   }
 
-  cuda::MlaShape shape;
+  MlaDimensions shape;
   shape.num_heads = nh;
   shape.nope_dim = dn;
   shape.rope_dim = dr;
@@ -790,13 +759,8 @@ class CudaDevice final : public Device {
       HMOE_RETURN_IF_ERROR(
           RunLinear(cs, plan, scratch + linear_off, router, x, x_stride, n, logits, e));
     }
-    kernels::MoeGateConfig config;
+    MoeGateParams config = params;
     config.num_experts = e;
-    config.top_k = params.top_k;
-    config.n_group = params.n_group;
-    config.topk_group = params.topk_group;
-    config.norm_topk_prob = params.norm_topk_prob;
-    config.routed_scaling_factor = static_cast<double>(params.routed_scaling_factor);
     HMOE_LAUNCH(cuda::LaunchMoeGateSelect(logits, e, n, bias.empty() ? nullptr : bias.data,
                                           bias_type, config, ids, weights, cs.get()));
     return absl::OkStatus();

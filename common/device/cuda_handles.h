@@ -1,8 +1,8 @@
 #pragma once
 
 // Move-only owners of CUDA runtime and cuBLAS handles, in the manner of ggml-cpp.h: a unique_ptr
-// with a deleter that logs failures (STYLE.md Part 2 §4). Host code of the CUDA backend only.
-// Streams are non-blocking and events do no timing (STYLE.md Part 2 §6).
+// with a deleter that logs failures (docs/style.md §4). Host code of the CUDA backend only.
+// Streams are non-blocking and events do no timing (docs/style.md §6).
 
 #include <memory>
 

@@ -1,8 +1,8 @@
 #pragma once
 
-// The device abstraction (ARCHITECTURE.md "Libraries", STYLE.md Part 2 §7): memory with a budget,
-// streams, events, asynchronous copies, and the small closed set of compute ops the model forward
-// needs. The forward pass (common/engine) is written once against this interface; CpuDevice
+// The device abstraction (docs/architecture.md "Libraries", docs/style.md §7): memory with a
+// budget, streams, events, asynchronous copies, and the small closed set of compute ops the model
+// forward needs. The forward pass (common/engine) is written once against this interface; CpuDevice
 // (always available) and CudaDevice (built with the CUDA option) implement it.
 //
 // This header includes no CUDA headers. Pointers named "device pointer" below point into memory
@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+#include "common/kernels/op_params.h"
 #include "common/model/dtype.h"
 
 namespace hmoe {
@@ -203,16 +204,6 @@ struct VectorWeight {
 
 // ---------------------------------------------------------------------------------- op arguments
 
-// Router parameters of MoeGate (noaux_tc with sigmoid scores; MODEL-SPEC §3.9).
-struct MoeGateParams {
-  int64_t num_experts = 0;  // E
-  int64_t top_k = 0;        // K
-  int64_t n_group = 1;
-  int64_t topk_group = 1;
-  bool norm_topk_prob = true;
-  float routed_scaling_factor = 1.0f;
-};
-
 // One layer of a paged MLA latent cache in device memory. Token slot s (= block * block_size +
 // offset within the block) of the layer holds row_floats F32: the normalized latent
 // (kv_lora_rank) followed by the rotated rope key (rope_dim), at
@@ -222,15 +213,6 @@ struct KvLayerView {
   int64_t block_size = 0;    // tokens per block
   int64_t block_stride = 0;  // floats between consecutive blocks of this layer
   int64_t row_floats = 0;    // kv_lora_rank + rope_dim
-};
-
-struct MlaDimensions {
-  int64_t num_heads = 0;     // nh
-  int64_t nope_dim = 0;      // dn
-  int64_t rope_dim = 0;      // dr
-  int64_t v_dim = 0;         // dv
-  int64_t kv_lora_rank = 0;  // Rkv
-  float softmax_scale = 1.0f;
 };
 
 // The queries of one sequence in an MLA call: rows [query_begin, query_begin + num_queries) of q

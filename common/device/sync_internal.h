@@ -2,13 +2,11 @@
 
 // Synchronization helpers for common/device and common/engine.
 //
-// Why std::mutex here and not absl::Mutex (STYLE.md §6): Debian's abseil (20220623) is built
-// without ThreadSanitizer annotations, so TSan cannot see absl::Mutex's happens-before edges and
-// reports every structure it protects as racing (checked with a two-thread counter). The event
-// tuples, memory budget, ring buffer and KV block pool are exactly what the `threads`-labelled
-// tests exercise under TSan, so they use the pthread-based std::mutex / std::condition_variable,
-// which TSan understands. Guarded members are documented in comments instead of
-// ABSL_GUARDED_BY (which needs a capability-annotated mutex type).
+// These libraries use std::mutex / std::condition_variable, with the guarded members named in
+// comments (ABSL_GUARDED_BY needs a capability-annotated mutex type). The choice dates from when
+// TSan could not see absl::Mutex (Debian's abseil 20220623 is not TSan-instrumented); since
+// tests/support/tsan_absl_annotations.cc is linked into every TSan test binary, both work under
+// TSan, and new code may use absl::Mutex with the thread-safety annotations (docs/style.md §6).
 
 #include <chrono>
 #include <condition_variable>

@@ -13,7 +13,6 @@
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
 #include "common/device/cpu_device.h"
-#include "common/engine/reference/reference_ops.h"
 
 namespace hmoe {
 namespace {
@@ -959,22 +958,22 @@ absl::Status Engine::Init() {
                        : 0;
   k.top_k = c.n_routed_experts > 0 ? c.num_experts_per_tok : 0;
   k.eps = static_cast<float>(c.rms_norm_eps);
-  k.attention_factor = static_cast<float>(reference::YarnAttentionFactor(c));
+  k.attention_factor = static_cast<float>(c.rope_attention_factor());
   k.mla.num_heads = k.nh;
   k.mla.nope_dim = k.dn;
   k.mla.rope_dim = k.dr;
   k.mla.v_dim = k.dv;
   k.mla.kv_lora_rank = k.rkv;
-  k.mla.softmax_scale = static_cast<float>(reference::MlaSoftmaxScale(c));
+  k.mla.softmax_scale = static_cast<float>(c.softmax_scale());
   k.gate.num_experts = c.n_routed_experts;
   k.gate.top_k = k.top_k;
   k.gate.n_group = c.n_group;
   k.gate.topk_group = c.topk_group;
   k.gate.norm_topk_prob = c.norm_topk_prob;
-  k.gate.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+  k.gate.routed_scaling_factor = c.routed_scaling_factor;
   k.fp8 = options_.fp8_gemv != nullptr ? options_.fp8_gemv : &cpu::DefaultFp8Gemv();
 
-  const std::vector<float> inv_freq = reference::YarnInvFreq(c);
+  const std::vector<float> inv_freq = c.rope_inv_freq();
   HMOE_ASSIGN_OR_RETURN(k.inv_freq, AllocateArray<float>(*device_, inv_freq.size()));
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device_->CreateStream());
   HMOE_RETURN_IF_ERROR(device_->CopyToDevice(*stream, k.inv_freq.data(), inv_freq.data(),

@@ -1,8 +1,8 @@
 #pragma once
 
 // The optimized DeepSeek-V3-family forward pass, written once against Device + kernels
-// (ARCHITECTURE.md, issue #8). Attention, norms, the dense MLP, the router and lm_head run on the
-// attention Device (CpuDevice or CudaDevice); routed and shared experts run on the CPU through
+// (docs/architecture.md, issue #8). Attention, norms, the dense MLP, the router and lm_head run on
+// the attention Device (CpuDevice or CudaDevice); routed and shared experts run on the CPU through
 // MoeExecutor (decode) or a grouped expert path (prefill-sized steps), reading host weights in
 // place. Weights come from a WeightProvider (resident or streaming), the KV cache is the paged
 // latent cache of kv_cache.h, and decode attention is weight-absorbed MLA.

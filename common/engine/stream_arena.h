@@ -3,7 +3,7 @@
 // StreamArena: the fixed device budget that stream-loading prefill (SLP, paper §3.1) stages its
 // non-expert modules in (attention blocks, dense MLPs, shared experts, the head). One device
 // allocation of capacity_bytes made at creation, so streaming never calls the device allocator
-// per module (STYLE.md §4: hot-path memory comes from pools sized at startup).
+// per module (docs/style.md §4: hot-path memory comes from pools sized at startup).
 //
 // Allocation is first-in first-out over a circular byte range: a block is placed right after the
 // most recent live block, wrapping to offset 0 when the end of the arena is too short; space is

@@ -1,6 +1,6 @@
 #pragma once
 
-// Weight providers (ARCHITECTURE.md "One forward pass, several weight providers"): the engine
+// Weight providers (docs/architecture.md "One forward pass, several weight providers"): the engine
 // asks a WeightProvider for each module's weights as device-usable views, in forward order, and
 // tells it when it is done with them. ResidentWeights returns views of memory that stays put
 // (in place in a WeightSource's host memory on a host-accessible device; resident device copies

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/kernels/op_params.h"
+
 #if defined(__CUDACC__)
 #define HMOE_HOST_DEVICE __host__ __device__
 #else
@@ -244,16 +246,6 @@ HMOE_HOST_DEVICE inline float OnlineSoftmaxStep(float* running_max, float* runni
 
 // ---------------------------------------------------------------------------------- MoE gate
 
-// noaux_tc router parameters (reference::MoeGateParams).
-struct MoeGateConfig {
-  int64_t num_experts = 0;  // E, a multiple of n_group
-  int64_t top_k = 0;        // K <= topk_group * E / n_group
-  int64_t n_group = 1;
-  int64_t topk_group = 1;
-  bool norm_topk_prob = true;
-  double routed_scaling_factor = 1.0;
-};
-
 // Bytes of scratch MoeGateSelect needs (8-byte aligned memory).
 HMOE_HOST_DEVICE inline int64_t MoeGateScratchBytes(int64_t num_experts, int64_t n_group) {
   return 8 * n_group + 8 * num_experts + num_experts + n_group;
@@ -268,7 +260,7 @@ HMOE_HOST_DEVICE inline int64_t MoeGateScratchBytes(int64_t num_experts, int64_t
 // routed_scaling_factor. A single thread's scalar loops over small arrays (E is a few hundred):
 // O(E * (K + topk_group)) comparisons. `scratch`: MoeGateScratchBytes, 8-byte aligned.
 HMOE_HOST_DEVICE inline void MoeGateSelect(const float* logits, const float* bias,
-                                           const MoeGateConfig& config, void* scratch, int32_t* ids,
+                                           const MoeGateParams& config, void* scratch, int32_t* ids,
                                            float* weights) {
   const int64_t num_experts = config.num_experts;
   const int64_t n_group = config.n_group;

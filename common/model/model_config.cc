@@ -1,5 +1,6 @@
 #include "common/model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -368,6 +369,54 @@ double ModelConfig::softmax_scale() const {
     scale *= m * m;
   }
   return scale;
+}
+
+namespace {
+
+// HF's yarn_get_mscale(s, m): 1 when s <= 1, else 0.1 m ln s + 1.
+double YarnScaleOf(double factor, double m) {
+  return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0;
+}
+
+}  // namespace
+
+std::vector<float> ModelConfig::rope_inv_freq() const {
+  const int64_t d = qk_rope_head_dim;
+  std::vector<float> out(static_cast<size_t>(std::max<int64_t>(d, 0) / 2));
+  const YarnConfig& y = rope_scaling;
+  // The dimension index whose frequency turns `rotations` times over the original context:
+  // d ln(L0 / (2 pi rotations)) / (2 ln theta).
+  const auto dim_of = [&](double rotations) {
+    constexpr double kTwoPi = 6.283185307179586476925286766559;
+    return static_cast<double>(d) *
+           std::log(static_cast<double>(y.original_max_position_embeddings) /
+                    (rotations * kTwoPi)) /
+           (2.0 * std::log(rope_theta));
+  };
+  double low = 0.0, high = 0.0;
+  if (y.enabled) {
+    low = std::max(0.0, std::floor(dim_of(y.beta_fast)));
+    high = std::min(static_cast<double>(d - 1), std::ceil(dim_of(y.beta_slow)));
+    if (high == low) high += 0.001;
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double theta_i = std::pow(rope_theta, -2.0 * static_cast<double>(i) / d);
+    if (!y.enabled) {
+      out[i] = static_cast<float>(theta_i);
+      continue;
+    }
+    const double t = (static_cast<double>(i) - low) / (high - low);
+    const double extrapolated_share = 1.0 - std::min(1.0, std::max(0.0, t));
+    out[i] = static_cast<float>(theta_i / y.factor * (1.0 - extrapolated_share) +
+                                theta_i * extrapolated_share);
+  }
+  return out;
+}
+
+double ModelConfig::rope_attention_factor() const {
+  if (!rope_scaling.enabled) return 1.0;
+  return YarnScaleOf(rope_scaling.factor, rope_scaling.mscale) /
+         YarnScaleOf(rope_scaling.factor, rope_scaling.mscale_all_dim);
 }
 
 absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json_text) {

@@ -77,6 +77,14 @@ struct ModelConfig {
   }
   // Softmax scale of MLA: qk_head_dim^-0.5 * mscale^2 with YaRN's mscale (MODEL-SPEC 3.6).
   double softmax_scale() const;
+  // The qk_rope_head_dim / 2 inverse frequencies of the rotary pairs (MODEL-SPEC 3.4): plain RoPE
+  // rope_theta^(-2i/d), or with YaRN each frequency blended between itself (extrapolation) and
+  // itself / factor (interpolation) by a linear ramp over YaRN's correction range. Computed in
+  // double, returned as float. The engine's table; reference::YarnInvFreq is the oracle's own.
+  std::vector<float> rope_inv_freq() const;
+  // YaRN's cos/sin multiplier mscale(factor, mscale) / mscale(factor, mscale_all_dim), 1 without
+  // YaRN (MODEL-SPEC 3.4).
+  double rope_attention_factor() const;
 
   // Parses config.json text. Errors are InvalidArgument and name the field, e.g.
   // "config.json: field \"hidden_size\": expected a positive integer, got string".

@@ -354,7 +354,7 @@ TEST_P(DeviceTest, MoeGateMatchesReference) {
   p.n_group = 4;
   p.topk_group = 2;
   p.norm_topk_prob = true;
-  p.routed_scaling_factor = 2.5f;
+  p.routed_scaling_factor = 2.5;
   int32_t* ids = Zeros<int32_t>(n * 4);
   float* weights = Zeros<float>(n * 4);
   ASSERT_TRUE(
@@ -365,20 +365,115 @@ TEST_P(DeviceTest, MoeGateMatchesReference) {
           .ok());
   const std::vector<int32_t> got_ids = Download(ids, n * 4);
   const std::vector<float> got_w = Download(weights, n * 4);
-  reference::MoeGateParams rp;
-  rp.num_experts = e;
-  rp.top_k = 4;
-  rp.n_group = 4;
-  rp.topk_group = 2;
-  rp.routed_scaling_factor = 2.5;
   for (int64_t t = 0; t < n; ++t) {
     std::vector<float> logits(e);
     reference::Linear(router.dense, e, hidden,
                       std::span<const float>(x).subspan(t * hidden, hidden), logits);
-    const reference::MoeGateResult want = reference::MoeGate(logits, bias, rp);
+    const reference::MoeGateResult want = reference::MoeGate(logits, bias, p);
     for (int j = 0; j < 4; ++j) {
       EXPECT_EQ(got_ids[t * 4 + j], want.experts[j]) << "token " << t;
       EXPECT_NEAR(got_w[t * 4 + j], want.weights[j], 1e-5f);
+    }
+  }
+}
+
+// The device's gate (production code) against reference::MoeGate (an independent implementation)
+// on logits chosen exactly: an F32 router [E, n] times one-hot activations gives token t the
+// logits W[:, t] without rounding (one exact product, the rest zeros), and every logit is a BF16
+// value (exact in any GEMM precision). The tokens hold exact ties (equal logits, equal biases:
+// the lower id wins), near-ties one ulp apart (in the logit, or in the bias under equal logits),
+// groups with equal scores (the lower group wins) and random logits; each configuration runs
+// with and without the correction bias. Both implementations make the same decisions and compute
+// the weights in double from the same float scores, so ids must match exactly and weights to
+// float rounding (4 ulp of the weight: a GPU's exp may move a score by one ulp).
+TEST_P(DeviceTest, MoeGateMatchesReferenceOnTiesAndNearTies) {
+  struct Case {
+    const char* name;
+    MoeGateParams params;
+  };
+  const Case cases[] = {
+      {"deepseek-v3-like grouped", {32, 8, 8, 4, true, 2.5}},
+      {"kimi-k2-like n_group 1", {64, 8, 1, 1, true, 2.827}},
+      {"grouped, unnormalized", {16, 4, 4, 2, false, 1.0}},
+      {"one expert per group", {12, 3, 12, 3, true, 1.0}},
+  };
+  const auto next_bf16 = [](float f) {  // the next BF16 value above f
+    return Bf16ToFloat(static_cast<uint16_t>(FloatToBf16(f) + (f >= 0 ? 1 : -1)));
+  };
+  for (const Case& c : cases) {
+    const int64_t e = c.params.num_experts, k = c.params.top_k;
+    const int64_t group = e / c.params.n_group;
+    std::mt19937 rng(static_cast<uint32_t>(e * 31 + k));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    // Token-major logits[t][expert].
+    std::vector<std::vector<float>> logits;
+    // 0: all equal.
+    logits.push_back(std::vector<float>(e, 0.5f));
+    // 1: few distinct values (ties between experts and between groups).
+    std::vector<float> few(e);
+    for (int64_t i = 0; i < e; ++i) few[i] = static_cast<float>((i * 7) % 3) - 1.0f;
+    logits.push_back(few);
+    // 2: every group a copy of group 0 (equal group scores without the bias).
+    std::vector<float> copies(e);
+    for (int64_t i = 0; i < e; ++i) copies[i] = Bf16Round(0.3f * static_cast<float>(i % group));
+    logits.push_back(copies);
+    // 3: pairs one BF16 ulp apart.
+    std::vector<float> near(e);
+    for (int64_t i = 0; i < e; i += 2) {
+      near[i] = Bf16Round(normal(rng));
+      if (i + 1 < e) near[i + 1] = next_bf16(near[i]);
+    }
+    logits.push_back(near);
+    // 4, 5: random.
+    for (int r = 0; r < 2; ++r) {
+      std::vector<float> random(e);
+      for (float& l : random) l = Bf16Round(2.0f * normal(rng));
+      logits.push_back(random);
+    }
+    const int64_t n = static_cast<int64_t>(logits.size());
+
+    // Bias: pairs (2i, 2i+1) equal for even i, one float ulp apart for odd i.
+    std::vector<float> bias(e);
+    for (int64_t i = 0; i < e; i += 2) {
+      bias[i] = 0.05f * normal(rng);
+      if (i + 1 < e) {
+        bias[i + 1] = (i / 2) % 2 == 0 ? bias[i] : std::nextafter(bias[i], 1.0f);
+      }
+    }
+
+    std::vector<float> w(e * n), x(n * n, 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      x[t * n + t] = 1.0f;
+      for (int64_t i = 0; i < e; ++i) w[i * n + t] = logits[t][i];
+    }
+    const LinearWeight router{DType::kF32, Upload(w), e, n, n, nullptr, 0};
+    for (const bool with_bias : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << c.name << (with_bias ? ", with bias" : ", no bias"));
+      int32_t* ids = Zeros<int32_t>(n * k);
+      float* weights = Zeros<float>(n * k);
+      const VectorWeight bias_view =
+          with_bias ? VectorWeight{DType::kF32, Upload(bias), e} : VectorWeight{};
+      ASSERT_TRUE(
+          device_->MoeGate(*stream_, Upload(x), n, n, router, bias_view, c.params, ids, weights)
+              .ok());
+      const std::vector<int32_t> got_ids = Download(ids, n * k);
+      const std::vector<float> got_w = Download(weights, n * k);
+      for (int64_t t = 0; t < n; ++t) {
+        const reference::MoeGateResult want =
+            reference::MoeGate(logits[t], with_bias ? bias : std::vector<float>{}, c.params);
+        const std::vector<int32_t> got(got_ids.begin() + t * k, got_ids.begin() + (t + 1) * k);
+        EXPECT_EQ(got, want.experts) << "token " << t;
+        for (int64_t j = 0; j < k; ++j) {
+          EXPECT_NEAR(got_w[t * k + j], want.weights[j], 4.8e-7 * std::abs(want.weights[j]))
+              << "token " << t << " slot " << j;
+        }
+      }
+      if (!with_bias) {
+        // All-equal logits: the lowest ids of the lowest groups, equal weights.
+        std::vector<int32_t> lowest(k);
+        std::iota(lowest.begin(), lowest.end(), 0);
+        EXPECT_EQ(std::vector<int32_t>(got_ids.begin(), got_ids.begin() + k), lowest);
+      }
     }
   }
 }
@@ -408,7 +503,7 @@ class MlaTest : public DeviceTest {
   void Run(Mode mode, std::vector<Sequence>& seqs,
            const std::vector<std::vector<MlaKeyRange>>& parts) {
     const bool decode = mode == Mode::kDecode;
-    reference::MlaDims dims{kHeads, kDn, kDr, kDv, kRkv, 0.17f};
+    reference::MlaDimensions dims{kHeads, kDn, kDr, kDv, kRkv, 0.17f};
     const std::vector<float> kv_b = RandomFloats(kHeads * (kDn + kDv) * kRkv, 20, 0.2f);
     // W_UK_h^T per head, F32.
     std::vector<std::vector<float>> uk_t(kHeads, std::vector<float>(kRkv * kDn));

@@ -341,6 +341,24 @@ TEST(ReferenceRopeTest, AttentionFactorAndSoftmaxScaleMatchModelSpec) {
   EXPECT_NEAR(MlaSoftmaxScale(c), 1.0 / std::sqrt(192.0), 1e-9);
 }
 
+// The engine's tables come from ModelConfig (common/model), written independently of the
+// oracle's: same formulas (MODEL-SPEC §3.4), same double arithmetic, so equal to the last bit.
+TEST(ReferenceRopeTest, ModelConfigTablesMatchTheReference) {
+  ModelConfig no_yarn = DeepSeekV3Config();
+  no_yarn.rope_scaling.enabled = false;
+  ModelConfig mscale_only = DeepSeekV3Config();
+  mscale_only.rope_scaling.mscale_all_dim = 0.0;
+  ModelConfig narrow = DeepSeekV3Config();
+  narrow.qk_rope_head_dim = 16;
+  narrow.rope_scaling.factor = 4.0;
+  for (const ModelConfig& c :
+       {DeepSeekV3Config(), KimiK2Config(), MicroConfig(), no_yarn, mscale_only, narrow}) {
+    EXPECT_EQ(c.rope_inv_freq(), YarnInvFreq(c));
+    EXPECT_EQ(c.rope_attention_factor(), YarnAttentionFactor(c));
+    EXPECT_EQ(c.softmax_scale(), MlaSoftmaxScale(c));
+  }
+}
+
 TEST(ReferenceRopeTest, RotatesInterleavedPairsAtKnownAngles) {
   // Pair 0 rotates by 2 * pi/4 = 90 degrees: (1, 0) -> (0, 1).
   // Pair 1 rotates by 2 * pi/2 = 180 degrees: (0, 1) -> (0, -1). Both scaled by 2.
@@ -547,12 +565,12 @@ TEST(MlaAttentionTest, SingleHeadMatchesHandComputedValues) {
   // Cache: c = (1, -1), k_pe = ((1, 0), (0, 1)). Query at position 1: q_nope 0.5, q_pe (1, 1).
   // Scores: 0.5*2*1 + 1 = 2 and 0.5*2*(-1) + 1 = 0 -> P = (0.880797, 0.119203),
   // o = 3 * (0.880797 - 0.119203) = 2.284782.
-  const MlaDims d{.num_heads = 1,
-                  .nope_dim = 1,
-                  .rope_dim = 2,
-                  .v_dim = 1,
-                  .kv_lora_rank = 1,
-                  .softmax_scale = 1.0f};
+  const MlaDimensions d{.num_heads = 1,
+                        .nope_dim = 1,
+                        .rope_dim = 2,
+                        .v_dim = 1,
+                        .kv_lora_rank = 1,
+                        .softmax_scale = 1.0f};
   const std::vector<float> latent = {1, -1}, k_pe = {1, 0, 0, 1}, wkv_b = {2, 3};
   for (MlaForm form : {MlaForm::kNaive, MlaForm::kAbsorbed}) {
     auto attend = form == MlaForm::kNaive ? MlaAttentionNaive : MlaAttentionAbsorbed;
@@ -567,7 +585,7 @@ TEST(MlaAttentionTest, SingleHeadMatchesHandComputedValues) {
            wkv_b, block);
     EXPECT_NEAR(block[0], 3.0f, 1e-5f);
     EXPECT_NEAR(block[1], 2.284782f, 1e-5f);
-    MlaDims half = d;
+    MlaDimensions half = d;
     half.softmax_scale = 0.5f;
     attend(half, 1, 1, std::vector<float>{0.5f}, std::vector<float>{1, 1}, latent, k_pe, wkv_b,
            out);
@@ -576,12 +594,12 @@ TEST(MlaAttentionTest, SingleHeadMatchesHandComputedValues) {
 }
 
 TEST(MlaAttentionTest, AbsorbedMatchesNaiveOnRandomInputs) {
-  const MlaDims d{.num_heads = 3,
-                  .nope_dim = 8,
-                  .rope_dim = 4,
-                  .v_dim = 6,
-                  .kv_lora_rank = 12,
-                  .softmax_scale = 0.3f};
+  const MlaDimensions d{.num_heads = 3,
+                        .nope_dim = 8,
+                        .rope_dim = 4,
+                        .v_dim = 6,
+                        .kv_lora_rank = 12,
+                        .softmax_scale = 0.3f};
   std::mt19937 rng(5);
   const int64_t start = 5, n = 4, keys = start + n;
   const std::vector<float> q_nope = RandomVector(rng, n * 3 * 8, 1.0f);

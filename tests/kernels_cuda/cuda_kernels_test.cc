@@ -142,7 +142,7 @@ TEST_F(CudaKernelsTest, BlockScaleCombineScalesEachBlockSum) {
 
 // Argument checks happen on the host before any launch, so they run without a GPU.
 TEST(CudaLaunchersTest, RejectUnsupportedShapesAndSkipEmptyWork) {
-  MlaShape shape;
+  MlaDimensions shape;
   shape.num_heads = 1;
   shape.nope_dim = 8;
   shape.rope_dim = 64;
@@ -155,7 +155,7 @@ TEST(CudaLaunchersTest, RejectUnsupportedShapesAndSkipEmptyWork) {
             cudaErrorInvalidValue);
   EXPECT_EQ(LaunchRopeInterleaved(nullptr, 8, 1, 1, 8, 7, nullptr, nullptr, 1.0f, nullptr),
             cudaErrorInvalidValue);
-  kernels::MoeGateConfig gate;
+  MoeGateParams gate;
   gate.num_experts = 10;
   gate.n_group = 3;  // E % n_group != 0
   gate.top_k = 2;

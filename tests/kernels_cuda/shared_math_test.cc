@@ -224,7 +224,7 @@ TEST(SharedMathTest, OnlineSoftmaxStepMatchesReferenceSoftmax) {
 // the reference's absorbed and naive forms, including tiles that straddle the causal diagonal.
 TEST(SharedMathTest, TiledAbsorbedMlaMirrorMatchesReference) {
   constexpr int64_t kTileRows = 16, kKeyTile = 16;
-  reference::MlaDims d;
+  reference::MlaDimensions d;
   d.num_heads = 3;
   d.nope_dim = 8;
   d.rope_dim = 4;
@@ -348,7 +348,7 @@ TEST(SharedMathTest, MoeGateSelectMatchesReferenceExactly) {
         for (float& l : logits) l = std::round(l);
         for (float& b : bias) b = 0.0f;
       }
-      reference::MoeGateParams p;
+      MoeGateParams p;
       p.num_experts = gc.experts;
       p.top_k = gc.top_k;
       p.n_group = gc.n_group;
@@ -357,17 +357,10 @@ TEST(SharedMathTest, MoeGateSelectMatchesReferenceExactly) {
       p.routed_scaling_factor = gc.scale;
       const reference::MoeGateResult want = reference::MoeGate(logits, bias, p);
 
-      MoeGateConfig c;
-      c.num_experts = gc.experts;
-      c.top_k = gc.top_k;
-      c.n_group = gc.n_group;
-      c.topk_group = gc.topk_group;
-      c.norm_topk_prob = gc.norm;
-      c.routed_scaling_factor = gc.scale;
       std::vector<double> scratch((MoeGateScratchBytes(gc.experts, gc.n_group) + 7) / 8);
       std::vector<int32_t> ids(gc.top_k);
       std::vector<float> weights(gc.top_k);
-      MoeGateSelect(logits.data(), gc.bias ? bias.data() : nullptr, c, scratch.data(), ids.data(),
+      MoeGateSelect(logits.data(), gc.bias ? bias.data() : nullptr, p, scratch.data(), ids.data(),
                     weights.data());
       ASSERT_EQ(ids, want.experts) << "E=" << gc.experts << " trial " << trial;
       ASSERT_EQ(weights, want.weights) << "E=" << gc.experts << " trial " << trial;

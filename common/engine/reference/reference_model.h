@@ -137,7 +137,7 @@ class ReferenceModel {
   Options options_;
   std::vector<float> inv_freq_;
   float attention_factor_ = 1.0f;
-  MlaDims mla_dims_;
+  MlaDimensions mla_dims_;
   MoeGateParams gate_params_;
   Matrix embed_;
   Matrix final_norm_;

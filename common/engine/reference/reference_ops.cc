@@ -32,9 +32,10 @@ double YarnCorrectionDim(double num_rotations, int64_t rope_dim, double base,
 }
 
 // Checks the MLA argument sizes shared by both forms.
-void CheckMlaArgs(const MlaDims& d, int64_t n, int64_t start_pos, std::span<const float> q_nope,
-                  std::span<const float> q_pe, std::span<const float> latent,
-                  std::span<const float> k_pe, std::span<const float> wkv_b, std::span<float> out) {
+void CheckMlaArgs(const MlaDimensions& d, int64_t n, int64_t start_pos,
+                  std::span<const float> q_nope, std::span<const float> q_pe,
+                  std::span<const float> latent, std::span<const float> k_pe,
+                  std::span<const float> wkv_b, std::span<float> out) {
   const int64_t num_keys = start_pos + n;
   HMOE_CHECK(n >= 0 && start_pos >= 0);
   HMOE_CHECK(static_cast<int64_t>(q_nope.size()) == n * d.num_heads * d.nope_dim);
@@ -232,8 +233,8 @@ MoeGateResult MoeGate(std::span<const float> router_logits, std::span<const floa
 
 // ---------------------------------------------------------------------------------- MLA attention
 
-MlaDims MlaDimsFromConfig(const ModelConfig& config) {
-  MlaDims d;
+MlaDimensions MlaDimsFromConfig(const ModelConfig& config) {
+  MlaDimensions d;
   d.num_heads = config.num_attention_heads;
   d.nope_dim = config.qk_nope_head_dim;
   d.rope_dim = config.qk_rope_head_dim;
@@ -243,7 +244,7 @@ MlaDims MlaDimsFromConfig(const ModelConfig& config) {
   return d;
 }
 
-void MlaAttentionNaive(const MlaDims& d, int64_t n, int64_t start_pos,
+void MlaAttentionNaive(const MlaDimensions& d, int64_t n, int64_t start_pos,
                        std::span<const float> q_nope, std::span<const float> q_pe,
                        std::span<const float> latent, std::span<const float> k_pe,
                        std::span<const float> wkv_b, std::span<float> out) {
@@ -285,7 +286,7 @@ void MlaAttentionNaive(const MlaDims& d, int64_t n, int64_t start_pos,
   }
 }
 
-void MlaAttentionAbsorbed(const MlaDims& d, int64_t n, int64_t start_pos,
+void MlaAttentionAbsorbed(const MlaDimensions& d, int64_t n, int64_t start_pos,
                           std::span<const float> q_nope, std::span<const float> q_pe,
                           std::span<const float> latent, std::span<const float> k_pe,
                           std::span<const float> wkv_b, std::span<float> out) {

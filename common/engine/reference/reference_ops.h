@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "common/kernels/op_params.h"
 #include "common/model/model_config.h"
 
 namespace hmoe::reference {
@@ -71,14 +72,6 @@ void ApplyRopeInterleaved(std::span<float> vec, int64_t pos, std::span<const flo
 
 // ---------------------------------------------------------------------------------- MoE router
 
-struct MoeGateParams {
-  int64_t num_experts = 0;     // E
-  int64_t top_k = 0;           // K = num_experts_per_tok
-  int64_t n_group = 1;         // E % n_group == 0
-  int64_t topk_group = 1;      // groups kept
-  bool norm_topk_prob = true;  // renormalize the K selected weights to sum 1
-  double routed_scaling_factor = 1.0;
-};
 MoeGateParams MoeGateParamsFromConfig(const ModelConfig& config);
 
 struct MoeGateResult {
@@ -100,15 +93,7 @@ MoeGateResult MoeGate(std::span<const float> router_logits, std::span<const floa
 
 // ---------------------------------------------------------------------------------- MLA attention
 
-struct MlaDims {
-  int64_t num_heads = 0;     // nh
-  int64_t nope_dim = 0;      // dn
-  int64_t rope_dim = 0;      // dr
-  int64_t v_dim = 0;         // dv
-  int64_t kv_lora_rank = 0;  // Rkv
-  float softmax_scale = 1.0f;
-};
-MlaDims MlaDimsFromConfig(const ModelConfig& config);
+MlaDimensions MlaDimsFromConfig(const ModelConfig& config);
 
 // Attention of a block of `n` new query tokens at absolute positions start_pos .. start_pos+n-1
 // against a latent KV cache that already holds all keys 0 .. start_pos+n-1 (the new tokens'
@@ -120,13 +105,13 @@ MlaDims MlaDimsFromConfig(const ModelConfig& config);
 //   wkv_b   [nh * (dn + dv), Rkv]           per head: W_UK rows then W_UV rows
 //   out     [n, nh * dv]                    per-head outputs, before o_proj
 // Naive form (MODEL-SPEC §3.6): k_nope = W_UK c, v = W_UV c per key, then standard attention.
-void MlaAttentionNaive(const MlaDims& dims, int64_t n, int64_t start_pos,
+void MlaAttentionNaive(const MlaDimensions& dims, int64_t n, int64_t start_pos,
                        std::span<const float> q_nope, std::span<const float> q_pe,
                        std::span<const float> latent, std::span<const float> k_pe,
                        std::span<const float> wkv_b, std::span<float> out);
 // Weight-absorbed form (MODEL-SPEC §3.7): q~ = W_UK^T q_nope scores against c directly,
 // u = sum_s P c_s, o = W_UV u. Same contract and, up to rounding, same result as the naive form.
-void MlaAttentionAbsorbed(const MlaDims& dims, int64_t n, int64_t start_pos,
+void MlaAttentionAbsorbed(const MlaDimensions& dims, int64_t n, int64_t start_pos,
                           std::span<const float> q_nope, std::span<const float> q_pe,
                           std::span<const float> latent, std::span<const float> k_pe,
                           std::span<const float> wkv_b, std::span<float> out);

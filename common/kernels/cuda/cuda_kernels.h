@@ -159,19 +159,10 @@ cudaError_t LaunchRopeInterleaved(float* x, int64_t x_stride, int64_t n, int64_t
 // weights[t * K ..+ K]. One small thread block per token.
 cudaError_t LaunchMoeGateSelect(const float* logits, int64_t logits_stride, int64_t n,
                                 const void* bias, kernels::ElemType bias_type,
-                                const kernels::MoeGateConfig& config, int32_t* ids, float* weights,
+                                const MoeGateParams& config, int32_t* ids, float* weights,
                                 cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------- MLA
-
-struct MlaShape {
-  int64_t num_heads = 0;     // nh
-  int64_t nope_dim = 0;      // dn
-  int64_t rope_dim = 0;      // dr
-  int64_t v_dim = 0;         // dv
-  int64_t kv_lora_rank = 0;  // Rkv
-  float softmax_scale = 1.0f;
-};
 
 // Rows and keys per thread block of LaunchMlaAttend; the largest kv_lora_rank it supports.
 inline constexpr int kMlaTileRows = 16;
@@ -209,7 +200,7 @@ struct MlaTile {
 //   q_pe   (dr values) -> qcat[(t * nh + h) * (Rkv + dr) + Rkv ..].
 // q row layout: head h at q + row * q_stride + h * (dn + dr), q_nope then q_pe.
 cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_rows,
-                             int64_t num_rows, const MlaShape& shape, float* q_nope_out,
+                             int64_t num_rows, const MlaDimensions& shape, float* q_nope_out,
                              bool round_bf16, float* qcat, cudaStream_t stream);
 
 // The attention core of weight-absorbed MLA, flash-style: for each tile's rows (t, h), with
@@ -220,7 +211,7 @@ cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_
 // One thread block per tile; `tiles` (num_tiles) and block_tables in device memory. Requires
 // Rkv <= kMlaMaxLatent and MlaAttendSharedBytes(Rkv + dr) <= kMlaMaxSharedBytes
 // (cudaErrorInvalidValue otherwise).
-cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCacheDesc& cache,
+cudaError_t LaunchMlaAttend(const MlaDimensions& shape, const float* qcat, const KvCacheDesc& cache,
                             const int32_t* block_tables, const MlaTile* tiles, int64_t num_tiles,
                             float* u, cudaStream_t stream);
 
@@ -230,7 +221,7 @@ cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCa
 //   state_u[(q_rows[t] * nh + h) * Rkv ..], state_lse[q_rows[t] * nh + h]
 // (softmax-weighted latent average and log-sum-exp of the keys seen so far; -inf: none), or
 // overwrites it when `first`. Rows that see no key keep their state (first: u = 0, lse = -inf).
-cudaError_t LaunchMlaAttendPartial(const MlaShape& shape, const float* qcat,
+cudaError_t LaunchMlaAttendPartial(const MlaDimensions& shape, const float* qcat,
                                    const KvCacheDesc& cache, const int32_t* block_tables,
                                    const MlaTile* tiles, int64_t num_tiles, const int32_t* q_rows,
                                    float* state_u, float* state_lse, bool first,

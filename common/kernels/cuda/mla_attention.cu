@@ -29,8 +29,8 @@ __device__ float WarpSum(float v) {
 }
 
 __global__ void MlaGatherQKernel(const float* __restrict__ q, int64_t q_stride,
-                                 const int32_t* __restrict__ q_rows, int64_t num_rows, MlaShape s,
-                                 float* __restrict__ q_nope_out, bool round_bf16,
+                                 const int32_t* __restrict__ q_rows, int64_t num_rows,
+                                 MlaDimensions s, float* __restrict__ q_nope_out, bool round_bf16,
                                  float* __restrict__ qcat) {
   const int64_t dq = s.nope_dim + s.rope_dim;
   const int64_t row_floats = s.kv_lora_rank + s.rope_dim;
@@ -65,7 +65,7 @@ struct PartialOut {
 // kPartial: keys limited to [tile.key_begin, tile.key_end), result merged into `partial`.
 template <bool kPartial>
 __global__ void __launch_bounds__(kThreads)
-    MlaAttendKernel(MlaShape s, const float* __restrict__ qcat, KvCacheDesc cache,
+    MlaAttendKernel(MlaDimensions s, const float* __restrict__ qcat, KvCacheDesc cache,
                     const int32_t* __restrict__ block_tables, const MlaTile* __restrict__ tiles,
                     float* __restrict__ u, PartialOut partial) {
   extern __shared__ float smem[];
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_rows,
-                             int64_t num_rows, const MlaShape& shape, float* q_nope_out,
+                             int64_t num_rows, const MlaDimensions& shape, float* q_nope_out,
                              bool round_bf16, float* qcat, cudaStream_t stream) {
   const int64_t n = num_rows * shape.num_heads * (shape.nope_dim + shape.rope_dim);
   if (n <= 0) return cudaSuccess;
@@ -256,7 +256,7 @@ cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_
   return cudaGetLastError();
 }
 
-cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCacheDesc& cache,
+cudaError_t LaunchMlaAttend(const MlaDimensions& shape, const float* qcat, const KvCacheDesc& cache,
                             const int32_t* block_tables, const MlaTile* tiles, int64_t num_tiles,
                             float* u, cudaStream_t stream) {
   if (num_tiles <= 0) return cudaSuccess;
@@ -279,7 +279,7 @@ cudaError_t LaunchMlaAttend(const MlaShape& shape, const float* qcat, const KvCa
   return cudaGetLastError();
 }
 
-cudaError_t LaunchMlaAttendPartial(const MlaShape& shape, const float* qcat,
+cudaError_t LaunchMlaAttendPartial(const MlaDimensions& shape, const float* qcat,
                                    const KvCacheDesc& cache, const int32_t* block_tables,
                                    const MlaTile* tiles, int64_t num_tiles, const int32_t* q_rows,
                                    float* state_u, float* state_lse, bool first,

@@ -16,8 +16,8 @@ constexpr int kThreads = 64;
 __global__ void __launch_bounds__(kThreads)
     MoeGateSelectKernel(const float* __restrict__ logits, int64_t logits_stride, int64_t n,
                         const void* __restrict__ bias, kernels::ElemType bias_type,
-                        kernels::MoeGateConfig config, int64_t scratch_bytes,
-                        int32_t* __restrict__ ids, float* __restrict__ weights) {
+                        MoeGateParams config, int64_t scratch_bytes, int32_t* __restrict__ ids,
+                        float* __restrict__ weights) {
   extern __shared__ double shared[];
   unsigned char* scratch = reinterpret_cast<unsigned char*>(shared);
   float* bias_f32 = reinterpret_cast<float*>(scratch + scratch_bytes);
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t LaunchMoeGateSelect(const float* logits, int64_t logits_stride, int64_t n,
                                 const void* bias, kernels::ElemType bias_type,
-                                const kernels::MoeGateConfig& config, int32_t* ids, float* weights,
+                                const MoeGateParams& config, int32_t* ids, float* weights,
                                 cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (config.num_experts <= 0 || config.n_group <= 0 || config.num_experts % config.n_group != 0 ||
