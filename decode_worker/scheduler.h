@@ -1,7 +1,7 @@
 #pragma once
 
 // The decode worker's scheduler: continuous batching with chunked prefill on one engine thread
-// (STYLE.md Part 2 §6: callers only push to it and wait for events; the engine thread alone
+// (docs/style.md §6: callers only push to it and wait for events; the engine thread alone
 // drives the engine). Policy (docs/decode_worker.md):
 //
 // - Admission. Submit validates a request (InvalidArgument naming the field), rejects it when the

@@ -1,7 +1,7 @@
 #pragma once
 
 // First-come-first-served prefill: gRPC handlers submit prompts and wait; one model thread (the
-// owner of the prefill device, STYLE.md §6) runs them one at a time through the SlpRunner (a
+// owner of the prefill device, docs/style.md §6) runs them one at a time through the SlpRunner (a
 // DSLP rank's prompt too: the thread joins the request's group, runs its share, and leaves) and
 // hands each finished KV export to the ExportTable. The queue is bounded (ResourceExhausted
 // beyond max_waiting); a queued or running prefill can be cancelled (Cancel RPC, or the caller

@@ -1,7 +1,7 @@
 #pragma once
 
 // gRPC handlers of hmoe.prefill.v1.PrefillService (proto/prefill.proto). They only translate
-// between protos and the PrefillScheduler / ExportTable (STYLE.md §1): Prefill waits for its
+// between protos and the PrefillScheduler / ExportTable (docs/style.md §1): Prefill waits for its
 // prompt's turn and outcome (a broken call cancels it), Release frees a KV export, Cancel and
 // GetStatus report. Thread-safe.
 

@@ -4,7 +4,8 @@
 #   cuda  - CUDA build (archs 90;120): compiles and links everything; GPU tests skip without a GPU
 #   asan  - ASan+UBSan build of the unit tests (labels unit and threads)
 #   tsan  - TSan build of the tests labelled "threads" (where threads meet)
-# plus a clang-format check. Usage: scripts/test.sh [config ...]   (default: all of them)
+# plus (config `format`) a clang-format check and the layering check (scripts/check_layering.sh).
+# Usage: scripts/test.sh [config ...]   (default: all of them)
 # Environment: HMOE_BUILD_ROOT (default <repo>/build), HMOE_JOBS (default: nproc).
 set -euo pipefail
 
@@ -64,6 +65,8 @@ for config in "${CONFIGS[@]}"; do
       mapfile -t files < <(cd "$ROOT" && git ls-files -co --exclude-standard \
         '*.h' '*.cc' '*.cu' '*.cuh' | grep -v '^build')
       (cd "$ROOT" && clang-format --dry-run --Werror "${files[@]}")
+      log "layering check (docs/architecture.md)"
+      "$ROOT/scripts/check_layering.sh" "$ROOT"
       ;;
     cpu)
       configure_and_build cpu -- -DHMOE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo

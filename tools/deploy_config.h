@@ -10,8 +10,8 @@
 // command first waits (`hmoe health --wait-s`) until weightd reports SERVING, then execs the
 // worker; workers register with the router themselves (and retry while it is down). Every program
 // restarts on exit (autorestart), stops with SIGTERM and gets longer than its drain time to exit
-// (STYLE.md §12), and logs to <log dir>/<program>.log with rotation. Each program can be stopped,
-// started or restarted alone with `supervisorctl -c <out>/supervisord.conf ...`.
+// (docs/style.md §12), and logs to <log dir>/<program>.log with rotation. Each program can be
+// stopped, started or restarted alone with `supervisorctl -c <out>/supervisord.conf ...`.
 //
 // Sockets (the router's registry, the workers' services, supervisord's control socket) live in
 // the run directory, created 0700.

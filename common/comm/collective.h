@@ -1,6 +1,6 @@
 #pragma once
 
-// Collectives between the ranks of a DSLP group (ARCHITECTURE.md "Libraries", paper §3.2): the
+// Collectives between the ranks of a DSLP group (docs/architecture.md "Libraries", paper §3.2): the
 // workers of a distributed stream-loading prefill exchange KV chunks (ring pass-KV), tokens
 // (all-gather, all-to-all dispatch) and expert results (all-to-all combine) through this one
 // interface. Implementations: ShmCollective (processes on one node, through POSIX shared memory;

@@ -1,10 +1,10 @@
 #pragma once
 
-// KV-cache hand-off between a prefill worker and the decode worker (ARCHITECTURE.md "A request's
-// path", step 4). The prefill worker writes one sequence's latent KV cache into an exportable
-// buffer, returns a handle (a shared-memory name on the CPU, a CUDA IPC memory handle on a GPU)
-// plus the first token; the router admits the request to the decode worker with that handle; the
-// decode worker opens it, validates the header, copies the payload into its paged pool
+// KV-cache hand-off between a prefill worker and the decode worker (docs/architecture.md "A
+// request's path", step 4). The prefill worker writes one sequence's latent KV cache into an
+// exportable buffer, returns a handle (a shared-memory name on the CPU, a CUDA IPC memory handle on
+// a GPU) plus the first token; the router admits the request to the decode worker with that handle;
+// the decode worker opens it, validates the header, copies the payload into its paged pool
 // (KvCache::Import) and acknowledges (hmoe.decode.v1.KvImported); the prefill worker then frees
 // the buffer (KvHandoffSegment::Remove).
 //

@@ -1,7 +1,7 @@
 #pragma once
 
 // absl::StatusCode and grpc::StatusCode both mirror google.rpc.Code, so codes cross process
-// boundaries unchanged (STYLE.md Part 2 §3): handlers `return ToGrpcStatus(s)`, clients use
+// boundaries unchanged (docs/style.md §3): handlers `return ToGrpcStatus(s)`, clients use
 // FromGrpcStatus. Header-only on purpose: hmoe-router includes it without linking hmoe::rpc (which
 // pulls in the device library the router must not link).
 
