@@ -22,7 +22,7 @@
 #include "common/model/dtype.h"
 #include "common/model/safetensors.h"
 #include "common/model/tensor.h"
-#include "common/model/tokenizer_builder.h"
+#include "tools/tokenizer_builder.h"
 
 namespace hmoe {
 namespace {

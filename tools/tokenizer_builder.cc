@@ -1,4 +1,4 @@
-#include "common/model/tokenizer_builder.h"
+#include "tools/tokenizer_builder.h"
 
 #include <algorithm>
 #include <map>

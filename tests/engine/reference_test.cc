@@ -16,9 +16,9 @@
 
 #include "common/engine/reference/reference_model.h"
 #include "common/engine/reference/reference_ops.h"
-#include "common/model/in_memory_weights.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor_map.h"
+#include "tests/support/in_memory_weights.h"
 
 namespace hmoe::reference {
 namespace {

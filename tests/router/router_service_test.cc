@@ -23,7 +23,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include "common/model/tokenizer.h"
-#include "common/model/tokenizer_builder.h"
 #include "common/rpc/grpc_status.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
@@ -36,6 +35,7 @@
 #include "router/worker_registry.h"
 #include "tests/integration/temp_dir.h"
 #include "tests/router/fake_decode_client.h"
+#include "tools/tokenizer_builder.h"
 
 #include "gtest/gtest.h"
 

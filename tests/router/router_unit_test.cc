@@ -10,11 +10,11 @@
 #include "absl/strings/match.h"
 
 #include "common/model/tokenizer.h"
-#include "common/model/tokenizer_builder.h"
 #include "router/clock.h"
 #include "router/policy.h"
 #include "router/validation.h"
 #include "router/worker_registry.h"
+#include "tools/tokenizer_builder.h"
 
 #include "gtest/gtest.h"
 

@@ -1,4 +1,4 @@
-#include "common/model/in_memory_weights.h"
+#include "tests/support/in_memory_weights.h"
 
 #include <algorithm>
 #include <cmath>

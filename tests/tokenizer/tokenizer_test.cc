@@ -17,8 +17,8 @@
 
 #include "common/base/json.h"
 #include "common/base/mapped_file.h"
-#include "common/model/tokenizer_builder.h"
 #include "common/model/tokenizer_internal.h"
+#include "tools/tokenizer_builder.h"
 
 namespace hmoe {
 namespace {
