@@ -1,4 +1,4 @@
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 
 #include <utility>
 
@@ -58,15 +58,15 @@ size_t KvBlockBytes(const ModelConfig& config, int64_t block_tokens) {
          sizeof(float);
 }
 
-absl::StatusOr<std::unique_ptr<EngineStepEngine>> EngineStepEngine::Create(
+absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> ForwardPassStepEngine::Create(
     const ModelConfig& config, const WeightSource& source, Device& device, CpuWorkerPool& pool,
-    const EngineStepEngineOptions& options) {
+    const ForwardPassStepEngineOptions& options) {
   if (options.kv_blocks < 1 || options.kv_block_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache of ", options.kv_blocks, " blocks of ",
                                                    options.kv_block_tokens,
                                                    " tokens: both must be >= 1"));
   }
-  std::unique_ptr<EngineStepEngine> e(new EngineStepEngine());
+  std::unique_ptr<ForwardPassStepEngine> e(new ForwardPassStepEngine());
   e->config_ = config;
   for (int64_t id : config.eos_token_ids) e->eos_.push_back(static_cast<int32_t>(id));
   e->device_ = &device;
@@ -86,9 +86,9 @@ absl::StatusOr<std::unique_ptr<EngineStepEngine>> EngineStepEngine::Create(
   return e;
 }
 
-EngineStepEngine::~EngineStepEngine() = default;
+ForwardPassStepEngine::~ForwardPassStepEngine() = default;
 
-KvHandoffShape EngineStepEngine::kv_handoff_shape() const {
+KvHandoffShape ForwardPassStepEngine::kv_handoff_shape() const {
   KvHandoffShape s;
   s.num_layers = static_cast<uint32_t>(config_.num_hidden_layers);
   s.kv_lora_rank = static_cast<uint32_t>(config_.kv_lora_rank);
@@ -96,14 +96,14 @@ KvHandoffShape EngineStepEngine::kv_handoff_shape() const {
   return s;
 }
 
-absl::StatusOr<std::unique_ptr<StepSequence>> EngineStepEngine::NewSequence(
+absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewSequence(
     int64_t reserve_tokens) {
   KvSequence seq = kv_->NewSequence();
   HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
   return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));
 }
 
-absl::StatusOr<std::unique_ptr<StepSequence>> EngineStepEngine::NewImportedSequence(
+absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewImportedSequence(
     int64_t reserve_tokens, const KvImportSource& source) {
   const auto num_tokens = static_cast<int64_t>(source.header().num_tokens);
   if (num_tokens > reserve_tokens) {
@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<StepSequence>> EngineStepEngine::NewImportedSeque
   return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));
 }
 
-absl::StatusOr<std::unique_ptr<StepBatch>> EngineStepEngine::NewStepBatch() {
+absl::StatusOr<std::unique_ptr<StepBatch>> ForwardPassStepEngine::NewStepBatch() {
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<MicroBatch> batch, engine_->NewMicroBatch());
   return std::unique_ptr<StepBatch>(new EngineStepBatch(std::move(batch)));
 }

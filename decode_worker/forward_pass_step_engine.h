@@ -22,7 +22,7 @@
 
 namespace hmoe::decode {
 
-struct EngineStepEngineOptions {
+struct ForwardPassStepEngineOptions {
   // Engine step capacity: the scheduler needs chunk_size + batch_size tokens and batch_size
   // sequences.
   int64_t max_step_tokens = 512 + 6;
@@ -37,16 +37,16 @@ struct EngineStepEngineOptions {
 // Bytes of one KV block of `config` (all layers).
 size_t KvBlockBytes(const ModelConfig& config, int64_t block_tokens);
 
-class EngineStepEngine final : public StepEngine {
+class ForwardPassStepEngine final : public StepEngine {
  public:
   // Builds ResidentWeights over `source`, the Engine and the KV pool. `source`, `device` and
   // `pool` must outlive the result. Errors from ResidentWeights::Create, Engine::Create and
   // KvCache::Create (ResourceExhausted when the pool does not fit the device budget);
   // InvalidArgument for kv_blocks < 1.
-  static absl::StatusOr<std::unique_ptr<EngineStepEngine>> Create(
+  static absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> Create(
       const ModelConfig& config, const WeightSource& source, Device& device, CpuWorkerPool& pool,
-      const EngineStepEngineOptions& options);
-  ~EngineStepEngine() override;
+      const ForwardPassStepEngineOptions& options);
+  ~ForwardPassStepEngine() override;
 
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t num_layers() const override { return config_.num_hidden_layers; }
@@ -69,7 +69,7 @@ class EngineStepEngine final : public StepEngine {
   KvCache& kv_cache() { return *kv_; }
 
  private:
-  EngineStepEngine() = default;
+  ForwardPassStepEngine() = default;
 
   ModelConfig config_;
   std::vector<int32_t> eos_;

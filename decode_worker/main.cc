@@ -37,9 +37,9 @@
 #include "common/rpc/worker_setup.h"
 #include "common/shm/worker_weights.h"
 #include "decode_worker/decode_service.h"
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 #include "decode_worker/scheduler.h"
-#include "decode_worker/worker_setup.h"
+#include "decode_worker/startup_settings.h"
 
 ABSL_FLAG(std::string, model, "", "checkpoint directory, opened directly (tests, CPU-only use)");
 ABSL_FLAG(std::string, weightd_instance, "", "attach to this hmoe-weightd instance's weights");
@@ -157,13 +157,13 @@ int Run() {
     HMOE_LOG(ERROR) << kv_blocks.status().message();
     return kExitBadFlags;
   }
-  EngineStepEngineOptions engine_options;
+  ForwardPassStepEngineOptions engine_options;
   engine_options.max_step_tokens = sched_options.chunk_size + sched_options.batch_size;
   engine_options.max_step_sequences = sched_options.batch_size;
   engine_options.kv_blocks = *kv_blocks;
   engine_options.kv_block_tokens = block_tokens;
-  absl::StatusOr<std::unique_ptr<EngineStepEngine>> engine =
-      EngineStepEngine::Create(weights->config, weights->source(), *device, **pool, engine_options);
+  absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> engine = ForwardPassStepEngine::Create(
+      weights->config, weights->source(), *device, **pool, engine_options);
   if (!engine.ok()) {
     HMOE_LOG(ERROR) << "engine: " << engine.status().message();
     return kExitError;
@@ -236,7 +236,7 @@ int Run() {
   // --- drain on SIGTERM
   signals.WaitForStop();
   rpc::SetServing(*server, kServiceName, false);
-  (*scheduler)->StopAdmitting();
+  (*scheduler)->StopAccepting();
   const bool drained = (*scheduler)->WaitIdle(absl::Now() + absl::Seconds(drain_seconds));
   if (!drained) {
     HMOE_LOG(WARNING) << "drain time of " << drain_seconds

@@ -204,7 +204,7 @@ absl::Status Scheduler::Cancel(const std::string& request_id, const std::string&
   return absl::OkStatus();
 }
 
-void Scheduler::StopAdmitting() {
+void Scheduler::StopAccepting() {
   absl::MutexLock lock(&mu_);
   draining_ = true;
 }

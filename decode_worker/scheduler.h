@@ -31,7 +31,7 @@
 //   blocks are freed at the next step boundary, with FinishCause::kCancelled.
 // - Errors. A failed step fails the requests of the failed micro-batch (kError) and frees them;
 //   the others continue.
-// - Drain. StopAdmitting makes Submit Unavailable; WaitIdle waits for in-flight requests;
+// - Drain. StopAccepting makes Submit Unavailable; WaitIdle waits for in-flight requests;
 //   Shutdown cancels what is left and joins the engine thread.
 
 #include <cstdint>
@@ -126,7 +126,7 @@ class Scheduler {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Drain: new Submits fail with Unavailable from now on. Thread-safe.
-  void StopAdmitting() ABSL_LOCKS_EXCLUDED(mu_);
+  void StopAccepting() ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until no request is in flight; false at `deadline`. Thread-safe.
   bool WaitIdle(absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
   // Stops admitting, cancels every in-flight request (kCancelled, "worker shutting down") and

@@ -1,4 +1,4 @@
-#include "decode_worker/worker_setup.h"
+#include "decode_worker/startup_settings.h"
 
 #include <algorithm>
 

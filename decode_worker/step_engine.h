@@ -2,9 +2,9 @@
 
 // The narrow view of the model forward the decode scheduler needs (docs/decode_worker.md): KV
 // sequences from a paged pool, and step drivers that run one batch step layer by layer so two of
-// them can overlap (dual-batch attention–MoE, paper §3.3.1). EngineStepEngine
-// (engine_step_engine.h) implements it over common/engine's Engine, MicroBatch and KvCache; the
-// scheduler's unit tests implement it with a deterministic fake.
+// them can overlap (dual-batch attention–MoE, paper §3.3.1). ForwardPassStepEngine
+// (forward_pass_step_engine.h) implements it over common/engine's Engine, MicroBatch and KvCache;
+// the scheduler's unit tests implement it with a deterministic fake.
 
 #include <cstdint>
 #include <memory>

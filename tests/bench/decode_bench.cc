@@ -38,7 +38,7 @@
 #include "common/engine/weights.h"
 #include "common/model/checkpoint.h"
 #include "common/model/tensor_map.h"
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 #include "decode_worker/step_runner.h"
 #include "tests/bench/bench_util.h"
 
@@ -120,9 +120,9 @@ struct Setup {
   std::map<int, std::unique_ptr<ResidentWeights>> weights;
   std::map<int, std::unique_ptr<Engine>> engines;
   std::map<int, std::unique_ptr<KvCache>> caches;
-  // The decode worker's own step path (EngineStepEngine + StepRunner), for dual batch on/off.
+  // The decode worker's own step path (ForwardPassStepEngine + StepRunner), for dual batch on/off.
   std::map<int, std::unique_ptr<Device>> step_devices;
-  std::map<int, std::unique_ptr<decode::EngineStepEngine>> step_engines;
+  std::map<int, std::unique_ptr<decode::ForwardPassStepEngine>> step_engines;
 };
 
 // Expert bytes the step engines' MoE layers read, counted from their routing (every MoE layer of
@@ -172,7 +172,7 @@ Engine& EngineForThreads(int threads) {
   return *s.engines[threads];
 }
 
-decode::EngineStepEngine& StepEngineForThreads(int threads) {
+decode::ForwardPassStepEngine& StepEngineForThreads(int threads) {
   Setup& s = GetSetup();
   if (s.step_engines.count(threads) == 0) {
     CpuWorkerPool& pool = bench::PoolForThreads(threads);
@@ -186,7 +186,7 @@ decode::EngineStepEngine& StepEngineForThreads(int threads) {
     const int64_t expert_bytes =
         2 * Fp8Bytes(c.moe_intermediate_size, h) + Fp8Bytes(h, c.moe_intermediate_size);
     const int64_t shared_bytes = c.n_shared_experts * expert_bytes;
-    decode::EngineStepEngineOptions options;
+    decode::ForwardPassStepEngineOptions options;
     options.max_step_tokens = 64;
     options.max_step_sequences = 8;
     options.kv_blocks = 64;
@@ -201,7 +201,7 @@ decode::EngineStepEngine& StepEngineForThreads(int threads) {
                                     std::memory_order_relaxed);
     };
     auto engine =
-        decode::EngineStepEngine::Create(c, source, *s.step_devices[threads], pool, options);
+        decode::ForwardPassStepEngine::Create(c, source, *s.step_devices[threads], pool, options);
     HMOE_CHECK_OK(engine.status());
     s.step_engines[threads] = std::move(*engine);
   }
@@ -299,7 +299,7 @@ void BM_DecodeStepRunner(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const int batch = static_cast<int>(state.range(1));
   const bool dual = state.range(2) != 0;
-  decode::EngineStepEngine& engine = StepEngineForThreads(threads);
+  decode::ForwardPassStepEngine& engine = StepEngineForThreads(threads);
   const ModelConfig& c = engine.engine().config();
   auto runner = decode::StepRunner::Create(engine, dual);
   HMOE_CHECK_OK(runner.status());

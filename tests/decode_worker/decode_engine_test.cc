@@ -1,4 +1,4 @@
-// The scheduler on the real engine (EngineStepEngine over the tiny checkpoint), in process:
+// The scheduler on the real engine (ForwardPassStepEngine over the tiny checkpoint), in process:
 // continuous batching with chunked prefill and dual-batch overlap on and off agree with the
 // reference forward pass and with each other, and a KV cache handed over in the hand-off format
 // continues like a local prefill. Label "threads": the batching and dual-batch paths under TSan.
@@ -23,7 +23,7 @@
 #include "common/kv/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 #include "decode_worker/scheduler.h"
 #include "tests/decode_worker/decode_test_util.h"
 
@@ -143,14 +143,14 @@ class DecodeEngineTest : public ::testing::Test {
     device_ = NewCpuDevice(dopt);
   }
 
-  std::unique_ptr<EngineStepEngine> MakeEngine(int batch, int chunk, int64_t kv_blocks = 64) {
-    EngineStepEngineOptions o;
+  std::unique_ptr<ForwardPassStepEngine> MakeEngine(int batch, int chunk, int64_t kv_blocks = 64) {
+    ForwardPassStepEngineOptions o;
     o.max_step_tokens = chunk + batch;
     o.max_step_sequences = batch;
     o.kv_blocks = kv_blocks;
     o.kv_block_tokens = 16;
-    auto e = EngineStepEngine::Create(g_model->checkpoint->config(), *g_model->checkpoint, *device_,
-                                      *pool_, o);
+    auto e = ForwardPassStepEngine::Create(g_model->checkpoint->config(), *g_model->checkpoint,
+                                           *device_, *pool_, o);
     EXPECT_TRUE(e.ok()) << e.status();
     return e.ok() ? *std::move(e) : nullptr;
   }
@@ -205,7 +205,7 @@ TEST_F(DecodeEngineTest, MixedBatchAgreesWithReferenceAndDualBatchChangesNothing
   const std::vector<int> lengths = {1, 3, 6, 9, 13, 19};
   std::vector<std::vector<int32_t>> by_mode[2];
   for (int dual = 0; dual < 2; ++dual) {
-    std::unique_ptr<EngineStepEngine> engine = MakeEngine(6, 8);
+    std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 8);
     ASSERT_NE(engine, nullptr);
     GatedStepEngine gated(*engine);
     SchedulerOptions so;
@@ -259,7 +259,7 @@ TEST_F(DecodeEngineTest, ImportedReferenceKvCacheContinuesLikeThePrefill) {
   const float* last = logits->data() + (prompt.size() - 1) * vocab;
   const auto first = static_cast<int32_t>(std::max_element(last, last + vocab) - last);
 
-  std::unique_ptr<EngineStepEngine> engine = MakeEngine(2, 8);
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(2, 8);
   ASSERT_NE(engine, nullptr);
   const std::string name = absl::StrCat("hmoe-test-decode-kv-", ::getpid());
   {

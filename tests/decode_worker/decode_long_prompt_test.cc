@@ -33,7 +33,7 @@
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
@@ -196,7 +196,7 @@ TEST(DecodeLongPromptTest, FourKPromptOnSmallHasBoundedMemoryAndAgreesWithRefere
   const int64_t top_k = config.num_experts_per_tok;
   // routing[l][position] = sorted experts, MoE layers only.
   std::vector<std::vector<std::vector<int32_t>>> routing(config.num_hidden_layers);
-  EngineStepEngineOptions eo;
+  ForwardPassStepEngineOptions eo;
   eo.max_step_tokens = 512 + 6;
   eo.max_step_sequences = 6;
   eo.kv_blocks = kKvBlocks;
@@ -208,7 +208,7 @@ TEST(DecodeLongPromptTest, FourKPromptOnSmallHasBoundedMemoryAndAgreesWithRefere
       routing[layer].push_back(std::move(e));
     }
   };
-  auto engine = EngineStepEngine::Create(config, **ckpt, *device, pool, eo);
+  auto engine = ForwardPassStepEngine::Create(config, **ckpt, *device, pool, eo);
   ASSERT_TRUE(engine.ok()) << engine.status();
   KvSequence seq = (*engine)->kv_cache().NewSequence();
   std::vector<std::vector<float>> engine_logits;

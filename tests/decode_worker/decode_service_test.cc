@@ -22,7 +22,7 @@
 #include "common/kv/kv_handoff.h"
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/registry_client.h"
-#include "decode_worker/worker_setup.h"
+#include "decode_worker/startup_settings.h"
 #include "proto/worker_registry.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
 

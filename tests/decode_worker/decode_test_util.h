@@ -31,7 +31,7 @@
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 #include "tests/integration/temp_dir.h"
 #include "tools/model_writer.h"
 
@@ -174,7 +174,7 @@ inline absl::StatusOr<Agreement> CheckAgreementWithRoutingFlips(
   std::unique_ptr<Device> device = NewCpuDevice(device_options);
   // routing[l][position] = sorted experts, MoE layers only.
   std::vector<std::vector<std::vector<int32_t>>> routing(config.num_hidden_layers);
-  EngineStepEngineOptions options;
+  ForwardPassStepEngineOptions options;
   options.max_step_tokens = chunk_size + 1;
   options.max_step_sequences = 1;
   options.kv_block_tokens = 64;
@@ -186,8 +186,8 @@ inline absl::StatusOr<Agreement> CheckAgreementWithRoutingFlips(
       routing[layer].push_back(std::move(e));
     }
   };
-  absl::StatusOr<std::unique_ptr<EngineStepEngine>> engine =
-      EngineStepEngine::Create(config, checkpoint, *device, **pool, options);
+  absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> engine =
+      ForwardPassStepEngine::Create(config, checkpoint, *device, **pool, options);
   if (!engine.ok()) return engine.status();
   KvSequence seq = (*engine)->kv_cache().NewSequence();
   std::vector<int32_t> replayed;

@@ -577,7 +577,7 @@ TEST(SchedulerTest, DuplicateIdIsAlreadyExistsAndDrainingIsUnavailable) {
   auto a = scheduler->Submit(Greedy("same", Prompt(3, 1), 2));
   ASSERT_TRUE(a.ok());
   EXPECT_TRUE(absl::IsAlreadyExists(scheduler->Submit(Greedy("same", Prompt(3, 1), 2)).status()));
-  scheduler->StopAdmitting();
+  scheduler->StopAccepting();
   EXPECT_TRUE(absl::IsUnavailable(scheduler->Submit(Greedy("new", Prompt(3, 1), 2)).status()));
   EXPECT_TRUE(scheduler->stats().draining);
   engine.ReleaseSteps();

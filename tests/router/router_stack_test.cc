@@ -51,7 +51,7 @@
 #include "common/kv/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
-#include "decode_worker/engine_step_engine.h"
+#include "decode_worker/forward_pass_step_engine.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
@@ -96,7 +96,7 @@ struct Shared {
   // The engine in process (what the workers run), observing its expert routing.
   std::unique_ptr<CpuWorkerPool> pool;
   std::unique_ptr<Device> device;
-  std::unique_ptr<decode::EngineStepEngine> engine;
+  std::unique_ptr<decode::ForwardPassStepEngine> engine;
   // routing[l] = sorted experts per position, appended by the engine's observer.
   std::vector<std::vector<std::vector<int32_t>>> routing;
 };
@@ -518,7 +518,7 @@ class RouterStackTest : public ::testing::Test {
     dopt.pool = g_shared->pool.get();
     g_shared->device = NewCpuDevice(dopt);
     g_shared->routing.resize(config.num_hidden_layers);
-    decode::EngineStepEngineOptions eo;
+    decode::ForwardPassStepEngineOptions eo;
     eo.max_step_tokens = kChunk + 6;
     eo.max_step_sequences = 6;
     eo.kv_blocks = 128;
@@ -530,8 +530,8 @@ class RouterStackTest : public ::testing::Test {
         g_shared->routing[layer].push_back(std::move(e));
       }
     };
-    auto engine = decode::EngineStepEngine::Create(config, *g_shared->checkpoint, *g_shared->device,
-                                                   *g_shared->pool, eo);
+    auto engine = decode::ForwardPassStepEngine::Create(config, *g_shared->checkpoint,
+                                                        *g_shared->device, *g_shared->pool, eo);
     ASSERT_TRUE(engine.ok()) << engine.status();
     g_shared->engine = *std::move(engine);
   }
