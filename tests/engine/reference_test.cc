@@ -565,12 +565,7 @@ TEST(MlaAttentionTest, SingleHeadMatchesHandComputedValues) {
   // Cache: c = (1, -1), k_pe = ((1, 0), (0, 1)). Query at position 1: q_nope 0.5, q_pe (1, 1).
   // Scores: 0.5*2*1 + 1 = 2 and 0.5*2*(-1) + 1 = 0 -> P = (0.880797, 0.119203),
   // o = 3 * (0.880797 - 0.119203) = 2.284782.
-  const MlaDimensions d{.num_heads = 1,
-                        .nope_dim = 1,
-                        .rope_dim = 2,
-                        .v_dim = 1,
-                        .kv_lora_rank = 1,
-                        .softmax_scale = 1.0f};
+  const MlaDimensions d{1, 1, 2, 1, 1, 1.0f};  // nh, dn, dr, dv, Rkv, scale
   const std::vector<float> latent = {1, -1}, k_pe = {1, 0, 0, 1}, wkv_b = {2, 3};
   for (MlaForm form : {MlaForm::kNaive, MlaForm::kAbsorbed}) {
     auto attend = form == MlaForm::kNaive ? MlaAttentionNaive : MlaAttentionAbsorbed;
@@ -594,12 +589,7 @@ TEST(MlaAttentionTest, SingleHeadMatchesHandComputedValues) {
 }
 
 TEST(MlaAttentionTest, AbsorbedMatchesNaiveOnRandomInputs) {
-  const MlaDimensions d{.num_heads = 3,
-                        .nope_dim = 8,
-                        .rope_dim = 4,
-                        .v_dim = 6,
-                        .kv_lora_rank = 12,
-                        .softmax_scale = 0.3f};
+  const MlaDimensions d{3, 8, 4, 6, 12, 0.3f};  // nh, dn, dr, dv, Rkv, scale
   std::mt19937 rng(5);
   const int64_t start = 5, n = 4, keys = start + n;
   const std::vector<float> q_nope = RandomVector(rng, n * 3 * 8, 1.0f);
