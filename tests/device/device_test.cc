@@ -503,7 +503,7 @@ class MlaTest : public DeviceTest {
   void Run(Mode mode, std::vector<Sequence>& seqs,
            const std::vector<std::vector<MlaKeyRange>>& parts) {
     const bool decode = mode == Mode::kDecode;
-    reference::MlaDimensions dims{kHeads, kDn, kDr, kDv, kRkv, 0.17f};
+    const MlaDimensions dims{kHeads, kDn, kDr, kDv, kRkv, 0.17f};
     const std::vector<float> kv_b = RandomFloats(kHeads * (kDn + kDv) * kRkv, 20, 0.2f);
     // W_UK_h^T per head, F32.
     std::vector<std::vector<float>> uk_t(kHeads, std::vector<float>(kRkv * kDn));
@@ -549,7 +549,7 @@ class MlaTest : public DeviceTest {
     const int64_t q_stride = kHeads * (kDn + kDr) + 5;
     const std::vector<float> q = RandomFloats(rows * q_stride, 50);
     MlaAttentionArgs args;
-    args.dims = {kHeads, kDn, kDr, kDv, kRkv, dims.softmax_scale};
+    args.dims = dims;
     args.q = Upload(q);
     args.q_stride = q_stride;
     args.w_uk_t = w_uk_t;

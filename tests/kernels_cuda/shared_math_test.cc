@@ -224,7 +224,7 @@ TEST(SharedMathTest, OnlineSoftmaxStepMatchesReferenceSoftmax) {
 // the reference's absorbed and naive forms, including tiles that straddle the causal diagonal.
 TEST(SharedMathTest, TiledAbsorbedMlaMirrorMatchesReference) {
   constexpr int64_t kTileRows = 16, kKeyTile = 16;
-  reference::MlaDimensions d;
+  MlaDimensions d;
   d.num_heads = 3;
   d.nope_dim = 8;
   d.rope_dim = 4;
