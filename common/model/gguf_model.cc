@@ -384,6 +384,18 @@ absl::StatusOr<std::vector<float>> DequantizeHfTensor(const ModelConfig& config,
   return out;
 }
 
+absl::StatusOr<std::unique_ptr<InMemoryWeightSource>> LoadGgufAsF32Weights(
+    const ModelConfig& config, const GgufModel& model) {
+  HMOE_RETURN_IF_ERROR(ValidateGgufTensors(config, model));
+  auto weights = std::make_unique<InMemoryWeightSource>();
+  for (const ExpectedTensor& t : ExpectedTensors(config)) {
+    HMOE_ASSIGN_OR_RETURN(const std::vector<float> values,
+                          DequantizeHfTensor(config, model, t.name));
+    HMOE_RETURN_IF_ERROR(weights->AddF32(t.name, t.shape, values));
+  }
+  return weights;
+}
+
 // ---------------------------------------------------------------------------------- tokenizer
 
 namespace {

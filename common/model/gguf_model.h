@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 
 #include "common/model/gguf.h"
+#include "common/model/in_memory_weights.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor_map.h"
 #include "common/model/tokenizer.h"
@@ -76,6 +77,12 @@ absl::Status ValidateGgufTensors(const ModelConfig& config, const GgufModel& mod
 absl::StatusOr<std::vector<float>> DequantizeHfTensor(const ModelConfig& config,
                                                       const GgufModel& model,
                                                       std::string_view hf_name);
+
+// Every ExpectedTensors(config) tensor dequantized to F32 under its Hugging Face name and shape:
+// a WeightSource the FP32 reference forward (and hmoe-generate --model FILE.gguf) runs on.
+// Errors from ValidateGgufTensors first.
+absl::StatusOr<std::unique_ptr<InMemoryWeightSource>> LoadGgufAsF32Weights(
+    const ModelConfig& config, const GgufModel& model);
 
 // The gpt2-BPE tokenizer from tokenizer.ggml.* (model "gpt2"; tokens, token_type, merges,
 // bos/eos/padding ids, add_bos_token, pre "deepseek-v3" or "gpt2"/"default") and

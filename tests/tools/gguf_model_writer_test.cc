@@ -16,9 +16,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/engine/reference/reference_model.h"
 #include "common/model/gguf.h"
 #include "common/model/gguf_model.h"
 #include "common/model/gguf_quants.h"
+#include "common/model/in_memory_weights.h"
 #include "common/model/tensor_map.h"
 #include "common/model/tokenizer.h"
 #include "common/model/tokenizer_builder.h"
@@ -156,6 +158,40 @@ TEST(GgufModelWriter, Q4_K_MWeightsWithinBound) {
   EXPECT_EQ(m->FindTensor("blk.1.ffn_gate_exps.weight")->type, 12u);  // Q4_K
   EXPECT_EQ(m->FindTensor("output.weight")->type, 14u);               // Q6_K
   CheckWeights(preset, *m, /*exact=*/false);
+}
+
+// The reference forward on the F32 GGUF's weights (LoadGgufAsF32Weights, what hmoe-generate
+// runs) generates exactly what it generates on the writer's values: names, expert slices and
+// the kv_b rebuild are all where the forward looks for them.
+TEST(GgufModelWriter, ReferenceForwardOnGgufEqualsOnGeneratedWeights) {
+  TempDir dir("gguf_model");
+  const ModelPreset preset = Tiny();
+  GgufWriteOptions o;
+  o.mix = GgufQuantMix::kF32;
+  std::unique_ptr<GgufModel> m = WriteAndOpen(dir, preset, o);
+  ASSERT_NE(m, nullptr);
+  absl::StatusOr<ModelConfig> config = ModelConfigFromGguf(*m);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<InMemoryWeightSource>> from_gguf =
+      LoadGgufAsF32Weights(*config, *m);
+  ASSERT_TRUE(from_gguf.ok()) << from_gguf.status();
+  InMemoryWeightSource generated;
+  for (const ExpectedTensor& t : ExpectedTensors(*config)) {
+    ASSERT_TRUE(generated.AddF32(t.name, t.shape, GenerateTensor(t, *config, 0)).ok());
+  }
+  const std::vector<int32_t> prompt = {0, 17, 300, 5, 911, 42};
+  std::vector<std::vector<int32_t>> outputs;
+  for (const WeightSource* w : {static_cast<const WeightSource*>(from_gguf->get()),
+                                static_cast<const WeightSource*>(&generated)}) {
+    absl::StatusOr<std::unique_ptr<reference::ReferenceModel>> model =
+        reference::ReferenceModel::Create(*config, *w);
+    ASSERT_TRUE(model.ok()) << model.status();
+    absl::StatusOr<std::vector<int32_t>> tokens = reference::GenerateGreedy(**model, prompt, 6);
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    outputs.push_back(*tokens);
+  }
+  EXPECT_EQ(outputs[0], outputs[1]);
+  EXPECT_EQ(outputs[0].size(), 6u);
 }
 
 TEST(GgufModelWriter, SplitFilesReadAsOneModel) {
