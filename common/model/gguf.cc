@@ -19,6 +19,9 @@ namespace {
 constexpr int kMaxDims = 4;        // GGML_MAX_DIMS
 constexpr int kMaxArrayDepth = 8;  // nested arrays
 constexpr uint64_t kMaxStringBytes = uint64_t{1} << 30;
+// Metadata values in a file, arrays' elements included (a real DeepSeek/Kimi file has ~0.5 M:
+// tokens, token types and merges); bounds the memory a hostile file can make us allocate.
+constexpr uint64_t kMaxMetadataValues = uint64_t{1} << 23;
 
 absl::string_view Av(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
@@ -27,6 +30,11 @@ class Cursor {
  public:
   Cursor(std::span<const std::byte> bytes, const std::string& name) : b_(bytes), name_(name) {}
   uint64_t pos() const { return pos_; }
+  // Counts `n` more metadata values; false beyond kMaxMetadataValues.
+  bool CountValues(uint64_t n) {
+    values_ += n;
+    return values_ <= kMaxMetadataValues;
+  }
   uint64_t remaining() const { return b_.size() - pos_; }
 
   absl::Status Error(std::string_view what) const {
@@ -57,6 +65,7 @@ class Cursor {
   std::span<const std::byte> b_;
   const std::string& name_;
   uint64_t pos_ = 0;
+  uint64_t values_ = 0;
 };
 
 bool ValidValueType(uint32_t t) { return t <= static_cast<uint32_t>(GgufValueType::kF64); }
@@ -166,6 +175,10 @@ absl::Status ReadValue(Cursor* c, GgufValueType type, const std::string& key, in
       if (n > c->remaining() / MinValueBytes(v->array_type)) {
         return c->Error(
             absl::StrCat("truncated file: key ", key, ": array claims ", n, " elements"));
+      }
+      if (!c->CountValues(n)) {
+        return c->Error(absl::StrCat("key ", key, ": more than ", kMaxMetadataValues,
+                                     " metadata values in the file"));
       }
       v->array.resize(n);
       for (uint64_t k = 0; k < n; ++k) {
@@ -504,8 +517,10 @@ absl::StatusOr<std::unique_ptr<GgufModel>> GgufModel::FromFiles(
   }
   m->files_ = std::move(files);
   for (size_t k = 0; k < m->files_.size(); ++k) {
+    for (GgufTensorInfo& t : m->files_[k]->tensors_) t.file_index = static_cast<int>(k);
+  }
+  for (size_t k = 0; k < m->files_.size(); ++k) {
     for (const GgufTensorInfo& t : m->files_[k]->tensors()) {
-      const_cast<GgufTensorInfo&>(t).file_index = static_cast<int>(k);
       if (!m->tensors_.emplace(t.name, &t).second) {
         return absl::InvalidArgumentError(
             absl::StrCat(m->files_[k]->name(), ": tensor ", t.name, " also is in another part"));

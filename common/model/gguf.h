@@ -109,6 +109,7 @@ class GgufFile {
   const std::vector<GgufTensorInfo>& tensors() const { return tensors_; }
 
  private:
+  friend class GgufModel;  // sets GgufTensorInfo::file_index
   GgufFile() = default;
   std::optional<MappedFile> mapping_;
   std::string name_;

@@ -228,6 +228,13 @@ absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufModel& m) {
   const bool has_nextn =
       nextn > 0 && m.FindTensor(Blk(blocks - 1, "nextn.eh_proj.weight")) != nullptr;
   c.num_hidden_layers = has_nextn ? blocks - nextn : blocks;
+  // Bounds before anything is sized from them (ExpectedTensors lists every expert of every
+  // layer): each layer holds tensors, and no model has more than 65536 experts.
+  const int64_t num_tensors = static_cast<int64_t>(m.Tensors().size());
+  if (blocks < 0 || blocks > num_tensors) {
+    return KeyError(ArchKey("block_count"),
+                    absl::StrCat(blocks, " layers but the file holds ", num_tensors, " tensors"));
+  }
   c.num_nextn_predict_layers = has_nextn ? nextn : 0;
   HMOE_ASSIGN_OR_RETURN(c.num_attention_heads,
                         IntKey(m, ArchKey("attention.head_count"), std::nullopt));
@@ -247,6 +254,9 @@ absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufModel& m) {
   }
   c.qk_nope_head_dim = key_length - c.qk_rope_head_dim;
   HMOE_ASSIGN_OR_RETURN(c.n_routed_experts, IntKey(m, ArchKey("expert_count"), std::nullopt));
+  if (c.n_routed_experts < 0 || c.n_routed_experts > 65536) {
+    return KeyError(ArchKey("expert_count"), absl::StrCat(c.n_routed_experts, " is out of range"));
+  }
   HMOE_ASSIGN_OR_RETURN(c.n_shared_experts, IntKey(m, ArchKey("expert_shared_count"), 0));
   HMOE_ASSIGN_OR_RETURN(c.num_experts_per_tok,
                         IntKey(m, ArchKey("expert_used_count"), std::nullopt));
@@ -462,7 +472,7 @@ absl::StatusOr<GgufTokenizerJson> GgufTokenizerToJson(const GgufModel& m) {
       merges->array_type != GgufValueType::kString) {
     return KeyError("tokenizer.ggml.merges", "required array of strings is missing");
   }
-  json::Value vocab = json::Value::Object();
+  std::vector<std::pair<std::string, json::Value>> vocab;  // Object() at the end: Set is linear
   json::Value added = json::Value::Array();
   for (size_t id = 0; id < n; ++id) {
     int64_t type = kTokenNormal;
@@ -475,7 +485,7 @@ absl::StatusOr<GgufTokenizerJson> GgufTokenizerToJson(const GgufModel& m) {
     switch (type) {
       case kTokenNormal:
       case kTokenByte:
-        vocab.Set(text, json::Value::Integer(static_cast<int64_t>(id)));
+        vocab.emplace_back(text, json::Value::Integer(static_cast<int64_t>(id)));
         break;
       case kTokenUnknown:
       case kTokenControl:
@@ -514,7 +524,7 @@ absl::StatusOr<GgufTokenizerJson> GgufTokenizerToJson(const GgufModel& m) {
                                      {"unk_token", json::Value::Null()},
                                      {"byte_fallback", json::Value::Bool(false)},
                                      {"ignore_merges", json::Value::Bool(false)},
-                                     {"vocab", std::move(vocab)},
+                                     {"vocab", json::Value::Object(std::move(vocab))},
                                      {"merges", std::move(merge_list)}})},
   });
   json::Value config = json::Value::Object();

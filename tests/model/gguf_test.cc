@@ -327,6 +327,24 @@ TEST(GgufFile, RandomCorruptionNeverCrashes) {
   }
 }
 
+// An array whose elements are all present but too many: refused before allocating them.
+TEST(GgufFile, TooManyMetadataValuesAreRefused) {
+  std::string b;
+  auto put = [&b](auto v) { b.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(kGgufMagic);
+  put(kGgufVersion);
+  put(uint64_t{0});  // tensors
+  put(uint64_t{1});  // metadata
+  put(uint64_t{1});
+  b.append("k");
+  put(static_cast<uint32_t>(GgufValueType::kArray));
+  put(static_cast<uint32_t>(GgufValueType::kU8));
+  const uint64_t n = (uint64_t{1} << 23) + 1;
+  put(n);
+  b.append(n, '\0');
+  EXPECT_THAT(ParseBytes(b).message(), HasSubstr("metadata values in the file"));
+}
+
 TEST(GgufFile, BadMagicAndVersion) {
   TempDir dir("gguf");
   std::string bytes = ReadAll(WriteSample(dir));
