@@ -16,8 +16,11 @@
 
 #include "common/base/mapped_file.h"
 #include "common/model/dtype.h"
+#include "common/model/gguf_model.h"
 #include "common/model/gguf_quants.h"
+#include "common/model/model_config.h"
 #include "tests/integration/temp_dir.h"
+#include "tests/model/test_util.h"
 
 namespace hmoe {
 namespace {
@@ -474,6 +477,90 @@ TEST(GgufSplit, InconsistentSplitKeys) {
   WriteParts(dir2, 2, 3, 2);
   EXPECT_THAT(GgufModel::Open(GgufSplitPath(dir2.File("m"), 1, 2)).status().message(),
               HasSubstr("split.count 3"));
+}
+
+// ------------------------------------------------------------------ converters' deepseek2 keys
+
+// Metadata as llama.cpp's converter writes it for an MLA (attn_k_b/attn_v_b) file of a hub
+// config (MODEL-SPEC 5.2), plus the tensors the config reader looks at.
+std::string WriteConverterStyle(const TempDir& dir, const ModelConfig& c, std::string_view pre) {
+  const std::string path = dir.File(std::string(pre) + ".gguf");
+  GgufWriter w(path);
+  auto u32 = [&](const char* k, int64_t v) {
+    w.AddMetadata(std::string("deepseek2.") + k, GgufValue::U32(static_cast<uint32_t>(v)));
+  };
+  auto f32 = [&](const char* k, double v) {
+    w.AddMetadata(std::string("deepseek2.") + k, GgufValue::F32(static_cast<float>(v)));
+  };
+  w.AddMetadata("general.architecture", GgufValue::String("deepseek2"));
+  u32("block_count", c.num_hidden_layers);
+  u32("context_length", c.max_position_embeddings);
+  u32("embedding_length", c.hidden_size);
+  u32("feed_forward_length", c.intermediate_size);
+  u32("attention.head_count", c.num_attention_heads);
+  u32("attention.head_count_kv", 1);
+  f32("rope.freq_base", c.rope_theta);
+  f32("attention.layer_norm_rms_epsilon", c.rms_norm_eps);
+  u32("expert_used_count", c.num_experts_per_tok);
+  u32("expert_group_count", c.n_group);
+  u32("expert_group_used_count", c.topk_group);
+  u32("leading_dense_block_count", c.first_k_dense_replace);
+  u32("vocab_size", c.vocab_size);
+  u32("attention.q_lora_rank", *c.q_lora_rank);
+  u32("attention.kv_lora_rank", c.kv_lora_rank);
+  u32("attention.key_length", c.kv_lora_rank + c.qk_rope_head_dim);
+  u32("attention.value_length", c.kv_lora_rank);
+  u32("attention.key_length_mla", c.qk_head_dim());
+  u32("attention.value_length_mla", c.v_head_dim);
+  u32("expert_feed_forward_length", c.moe_intermediate_size);
+  u32("expert_count", c.n_routed_experts);
+  u32("expert_shared_count", c.n_shared_experts);
+  f32("expert_weights_scale", c.routed_scaling_factor);
+  w.AddMetadata("deepseek2.expert_weights_norm", GgufValue::Bool(true));
+  u32("expert_gating_func", 2);
+  u32("rope.dimension_count", c.qk_rope_head_dim);
+  w.AddMetadata("deepseek2.rope.scaling.type", GgufValue::String("yarn"));
+  f32("rope.scaling.factor", c.rope_scaling.factor);
+  u32("rope.scaling.original_context_length", c.rope_scaling.original_max_position_embeddings);
+  f32("rope.scaling.yarn_log_multiplier", 0.1 * c.rope_scaling.mscale_all_dim);
+  if (c.rope_scaling.beta_fast != 32.0) {  // the default need not be written
+    f32("rope.scaling.yarn_beta_fast", c.rope_scaling.beta_fast);
+    f32("rope.scaling.yarn_beta_slow", c.rope_scaling.beta_slow);
+  }
+  w.AddMetadata("tokenizer.ggml.pre", GgufValue::String(std::string(pre)));
+  w.AddMetadata("tokenizer.ggml.bos_token_id",
+                GgufValue::U32(static_cast<uint32_t>(c.bos_token_id)));
+  w.AddMetadata("tokenizer.ggml.eos_token_id",
+                GgufValue::U32(static_cast<uint32_t>(c.eos_token_ids.front())));
+  std::vector<std::string> names = {
+      "output.weight", "blk." + std::to_string(c.first_k_dense_replace) + ".exp_probs_b.bias"};
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    names.push_back("blk." + std::to_string(l) + ".attn_norm.weight");
+  }
+  for (const std::string& n : names) EXPECT_TRUE(w.AddTensor(n, {32}, T(GgmlType::kF32)).ok());
+  EXPECT_TRUE(w.Begin().ok());
+  const std::vector<std::byte> zeros(128);
+  for (const std::string& n : names) EXPECT_TRUE(w.WriteTensorData(n, zeros).ok());
+  EXPECT_TRUE(w.Finish().ok());
+  return path;
+}
+
+TEST(GgufConfig, ConverterKeysGiveTheHubConfig) {
+  for (const auto& [json, pre] : {std::pair{testing::kDeepSeekV3ConfigJson, "deepseek-v3"},
+                                  std::pair{testing::kKimiK2ConfigJson, "kimi-k2"}}) {
+    absl::StatusOr<ModelConfig> hub = ModelConfig::FromJson(json);
+    ASSERT_TRUE(hub.ok()) << hub.status();
+    TempDir dir("gguf_config");
+    absl::StatusOr<std::unique_ptr<GgufModel>> m =
+        GgufModel::Open(WriteConverterStyle(dir, *hub, pre));
+    ASSERT_TRUE(m.ok()) << m.status();
+    absl::StatusOr<ModelConfig> got = ModelConfigFromGguf(**m);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ModelConfig want = *hub;
+    want.quantization = QuantizationConfig();  // per-tensor types in GGUF
+    want.num_nextn_predict_layers = 0;         // the converter drops the MTP layer
+    EXPECT_EQ(*got, want) << pre;
+  }
 }
 
 }  // namespace
