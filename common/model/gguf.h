@@ -163,7 +163,7 @@ class GgufModel {
 // tensor at an offset aligned to `alignment` (general.alignment is written when it is not 32).
 class GgufWriter {
  public:
-  GgufWriter(std::string path, uint32_t alignment = kGgufDefaultAlignment)
+  explicit GgufWriter(std::string path, uint32_t alignment = kGgufDefaultAlignment)
       : path_(std::move(path)), alignment_(alignment) {}
   void AddMetadata(std::string key, GgufValue value);
   // Declares a tensor of `type` with `ne` (ggml order). InvalidArgument for an unknown type or a

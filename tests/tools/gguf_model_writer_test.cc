@@ -42,10 +42,8 @@ std::unique_ptr<GgufModel> WriteAndOpen(const TempDir& dir, const ModelPreset& p
                                         GgufWriteOptions options) {
   const absl::Status s = WriteGgufModel(preset, dir.path(), options);
   EXPECT_TRUE(s.ok()) << s;
-  const std::string path =
-      options.split_max_bytes > 0 ? GgufSplitPath(dir.File("model"), 1, 0) : dir.File("model.gguf");
-  std::string open_path = path;
-  if (options.split_max_bytes > 0) {  // find part 1 (its count is not known here)
+  std::string open_path = dir.File("model.gguf");
+  if (options.split_max_bytes > 0) {  // part 1 (the part count is the writer's choice)
     for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
       if (e.path().filename().string().starts_with("model-00001-of-")) open_path = e.path();
     }
