@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev libboost-dev libnuma-dev numactl
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   supervisor clang-format
+  python3 python3-venv  # the GGUF oracle test's venv (tests/model/gguf_oracle_test.py)
 )
 
 missing=()

@@ -3,6 +3,8 @@
 //
 //   hmoe-generate --model DIR (--prompt-ids 1,2,3 | --prompt TEXT) --max-new-tokens 16
 //                 [--mla naive|absorbed] [--print-logits] [--stop-at-eos] [--dump-logits FILE]
+//   hmoe-generate --model DIR/model.gguf ...   (a GGUF: weights dequantized to FP32, the GGUF's
+//                                              config and tokenizer; docs/gguf.md)
 //
 // Prints the generated token ids, comma-separated, on one line of stdout. With --prompt (the text
 // is encoded with the checkpoint's tokenizer, BOS added when tokenizer_config.json says
@@ -42,9 +44,13 @@
 #include "common/base/status_macros.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_model.h"
+#include "tools/gguf_f32_weights.h"
 #include "common/model/tokenizer.h"
 
-ABSL_FLAG(std::string, model, "", "checkpoint directory (config.json + safetensors)");
+ABSL_FLAG(std::string, model, "",
+          "checkpoint directory (config.json + safetensors), or a GGUF file (*.gguf; any part of "
+          "a split model): its weights dequantized to FP32");
 ABSL_FLAG(std::string, prompt_ids, "", "comma-separated prompt token ids, e.g. 1,2,3");
 ABSL_FLAG(std::string, prompt, "",
           "prompt text, encoded with the checkpoint's tokenizer (instead of --prompt-ids); the "
@@ -121,10 +127,18 @@ absl::Status Run() {
         absl::StrCat("--mla must be naive or absorbed, got \"", mla, "\""));
   }
 
+  std::unique_ptr<GgufModel> gguf;
+  if (dir.ends_with(".gguf")) {
+    HMOE_ASSIGN_OR_RETURN(gguf, GgufModel::Open(dir));
+  }
   std::unique_ptr<Tokenizer> tokenizer;
   std::vector<int32_t> prompt;
   if (use_text) {
-    HMOE_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Load(dir));
+    if (gguf != nullptr) {
+      HMOE_ASSIGN_OR_RETURN(tokenizer, TokenizerFromGguf(*gguf));
+    } else {
+      HMOE_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Load(dir));
+    }
     prompt = tokenizer->Encode(prompt_text, tokenizer->add_bos_token());
     if (prompt.empty()) return absl::InvalidArgumentError("--prompt encodes to no tokens");
   } else {
@@ -132,12 +146,19 @@ absl::Status Run() {
   }
 
   const Clock::time_point load_start = Clock::now();
-  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(dir));
-  HMOE_ASSIGN_OR_RETURN(
-      std::unique_ptr<reference::ReferenceModel> model,
-      reference::ReferenceModel::Create(checkpoint->config(), *checkpoint, options));
+  std::unique_ptr<reference::ReferenceModel> model;
+  if (gguf != nullptr) {
+    HMOE_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfigFromGguf(*gguf));
+    HMOE_ASSIGN_OR_RETURN(std::unique_ptr<InMemoryWeightSource> weights,
+                          LoadGgufAsF32Weights(config, *gguf));
+    HMOE_ASSIGN_OR_RETURN(model, reference::ReferenceModel::Create(config, *weights, options));
+    gguf.reset();
+  } else {
+    HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(dir));
+    HMOE_ASSIGN_OR_RETURN(
+        model, reference::ReferenceModel::Create(checkpoint->config(), *checkpoint, options));
+  }  // The model holds its own float copies.
   const double load_s = SecondsSince(load_start);
-  checkpoint.reset();  // The model holds its own float copies.
 
   const Clock::time_point gen_start = Clock::now();
   const std::string dump_path = absl::GetFlag(FLAGS_dump_logits);

@@ -4,6 +4,7 @@
 //   hmoe-make-model --preset tiny --out /tmp/tiny
 //   hmoe-make-model --preset small --out /tmp/small --seed 1 --dtype bf16
 //   hmoe-make-model --preset real-shaped --out /data/rs --shard-size-mb 2048
+//   hmoe-make-model --preset small --out /tmp/small-gguf --format gguf --quant q4_k_m
 //
 // Flags may be spelled with dashes or underscores (--shard-size-mb == --shard_size_mb).
 
@@ -22,6 +23,7 @@
 
 #include "common/base/flags.h"
 #include "common/base/logging.h"
+#include "tools/gguf_model_writer.h"
 #include "tools/model_writer.h"
 
 ABSL_FLAG(std::string, preset, "tiny", "tiny | small | real-shaped");
@@ -37,6 +39,16 @@ ABSL_FLAG(int64_t, num_layers, 0, "override num_hidden_layers (0: preset)");
 ABSL_FLAG(int64_t, experts, 0, "override n_routed_experts (0: preset)");
 ABSL_FLAG(bool, force, false, "write into a non-empty directory, replacing checkpoint files");
 ABSL_FLAG(int, threads, 0, "generation threads (0: all cores)");
+ABSL_FLAG(std::string, format, "safetensors",
+          "safetensors: the Hugging Face layout; gguf: OUT/model.gguf (llama.cpp deepseek2)");
+ABSL_FLAG(std::string, quant, "q4_k_m",
+          "with --format gguf: q4_k_m | q5_k_m | q8_0 | bf16 | f16 | f32 (docs/gguf.md)");
+ABSL_FLAG(int64_t, gguf_split_mb, 0,
+          "with --format gguf: split into model-0000k-of-0000n.gguf parts of at most this many "
+          "MiB of tensors (0: one file)");
+ABSL_FLAG(bool, gguf_kv_b, false,
+          "with --format gguf: store MLA's kv_b as attn_kv_b (older files) instead of "
+          "attn_k_b + attn_v_b");
 
 int main(int argc, char** argv) {
   hmoe::SetUsage(
@@ -69,6 +81,40 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "hmoe-make-model: %s\n", s.ToString().c_str());
     return 2;
   }
+  const int threads = absl::GetFlag(FLAGS_threads);
+  const int num_threads =
+      threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "gguf") {
+    absl::StatusOr<hmoe::GgufQuantMix> mix = hmoe::ParseGgufQuantMix(absl::GetFlag(FLAGS_quant));
+    if (!mix.ok()) {
+      std::fprintf(stderr, "hmoe-make-model: %s\n", mix.status().ToString().c_str());
+      return 2;
+    }
+    if (absl::GetFlag(FLAGS_gguf_split_mb) < 0) {
+      std::fprintf(stderr, "hmoe-make-model: --gguf-split-mb must be >= 0\n");
+      return 2;
+    }
+    hmoe::GgufWriteOptions gguf;
+    gguf.seed = absl::GetFlag(FLAGS_seed);
+    gguf.mix = *mix;
+    gguf.split_kv_b = !absl::GetFlag(FLAGS_gguf_kv_b);
+    gguf.split_max_bytes = absl::GetFlag(FLAGS_gguf_split_mb) << 20;
+    gguf.force = absl::GetFlag(FLAGS_force);
+    gguf.num_threads = num_threads;
+    if (absl::Status s = hmoe::WriteGgufModel(*preset, out, gguf); !s.ok()) {
+      std::fprintf(stderr, "hmoe-make-model: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    HMOE_LOG(INFO) << "wrote preset " << preset->name << " as GGUF (" << absl::GetFlag(FLAGS_quant)
+                   << ", seed " << gguf.seed << ") to " << out;
+    return 0;
+  }
+  if (format != "safetensors") {
+    std::fprintf(stderr, "hmoe-make-model: --format must be safetensors or gguf, got %s\n",
+                 format.c_str());
+    return 2;
+  }
   hmoe::WriteOptions options;
   options.seed = absl::GetFlag(FLAGS_seed);
   options.fp8 = dtype == "fp8";
@@ -78,9 +124,7 @@ int main(int argc, char** argv) {
   }
   options.shard_size_bytes = absl::GetFlag(FLAGS_shard_size_mb) << 20;
   options.force = absl::GetFlag(FLAGS_force);
-  const int threads = absl::GetFlag(FLAGS_threads);
-  options.num_threads =
-      threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  options.num_threads = num_threads;
 
   const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = hmoe::WriteModel(*preset, out, options); !s.ok()) {

@@ -18,7 +18,7 @@
 #include "common/engine/reference/reference_ops.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor_map.h"
-#include "tests/support/in_memory_weights.h"
+#include "tools/in_memory_weights.h"
 
 namespace hmoe::reference {
 namespace {

@@ -1,4 +1,4 @@
-#include "tests/support/in_memory_weights.h"
+#include "tools/in_memory_weights.h"
 
 #include <algorithm>
 #include <cmath>
