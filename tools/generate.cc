@@ -45,8 +45,8 @@
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
 #include "common/model/gguf_model.h"
-#include "tools/gguf_f32_weights.h"
 #include "common/model/tokenizer.h"
+#include "tools/gguf_f32_weights.h"
 
 ABSL_FLAG(std::string, model, "",
           "checkpoint directory (config.json + safetensors), or a GGUF file (*.gguf; any part of "

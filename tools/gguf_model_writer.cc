@@ -16,7 +16,7 @@
 #include "common/model/gguf_model.h"
 #include "common/model/gguf_quants.h"
 #include "common/model/tensor_map.h"
-#include "common/model/tokenizer_builder.h"
+#include "tools/tokenizer_builder.h"
 
 namespace hmoe {
 namespace {

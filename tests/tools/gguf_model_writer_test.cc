@@ -20,12 +20,12 @@
 #include "common/model/gguf.h"
 #include "common/model/gguf_model.h"
 #include "common/model/gguf_quants.h"
-#include "tools/gguf_f32_weights.h"
-#include "tools/in_memory_weights.h"
 #include "common/model/tensor_map.h"
 #include "common/model/tokenizer.h"
-#include "common/model/tokenizer_builder.h"
 #include "tests/integration/temp_dir.h"
+#include "tools/gguf_f32_weights.h"
+#include "tools/in_memory_weights.h"
+#include "tools/tokenizer_builder.h"
 
 namespace hmoe {
 namespace {
