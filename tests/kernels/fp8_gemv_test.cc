@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -394,6 +395,45 @@ TEST_P(Fp8GemvVariantTest, GemmRowsMatchesPerTokenMatVec) {
       ASSERT_NEAR(y[t * 250 + m - 50], exact.y[t * 300 + m], 1e-6 * exact.magnitude[t * 300 + m])
           << t << " " << m;
     }
+  }
+}
+
+// A token's result does not depend, bitwise, on the other tokens of the call, on the row range
+// the call covers, nor on MatVec vs GemmRows: the engine's prefill (grouped experts, any number
+// of tokens per expert) and decode (executor, up to kMaxMatVecTokens) paths, and the SLP runner
+// against the resident engine, rely on it.
+TEST_P(Fp8GemvVariantTest, TokenResultsDoNotDependOnBatchOrRowRange) {
+  std::mt19937 rng(4242);
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{300, 256}, {131, 200}, {64, 1000}}) {
+    const TestMatrix w = RandomMatrix(rows, cols, rng);
+    const int64_t n = 45;
+    const std::vector<float> x = RandomActivations(n, cols, rng);
+    const Packed p = PackAll(*gemv_, x, n, cols);
+    // Alone: one token, all rows.
+    std::vector<float> alone(n * rows);
+    for (int64_t t = 0; t < n; ++t) {
+      gemv_->MatVec(w.view(), p.data + t * p.stride, p.stride, 1, 0, rows, alone.data() + t * rows,
+                    rows);
+    }
+    // Every batch size, rows in ragged ranges (odd starts and ends).
+    for (int nb = 2; nb <= kMaxMatVecTokens; ++nb) {
+      std::vector<float> y(n * rows, -1.0f);
+      for (int64_t t0 = 0; t0 < n; t0 += nb) {
+        const int nt = static_cast<int>(std::min<int64_t>(nb, n - t0));
+        for (int64_t m0 = 0; m0 < rows;) {
+          const int64_t m1 = std::min<int64_t>(rows, m0 + 1 + (m0 * 7 + nb) % 37);
+          gemv_->MatVec(w.view(), p.data + t0 * p.stride, p.stride, nt, m0, m1,
+                        y.data() + t0 * rows + m0, rows);
+          m0 = m1;
+        }
+      }
+      ASSERT_EQ(0, std::memcmp(y.data(), alone.data(), y.size() * sizeof(float)))
+          << rows << "x" << cols << " batches of " << nb;
+    }
+    std::vector<float> g(n * rows, -1.0f);
+    gemv_->GemmRows(w.view(), p.data, p.stride, n, 0, rows, g.data(), rows);
+    ASSERT_EQ(0, std::memcmp(g.data(), alone.data(), g.size() * sizeof(float)))
+        << rows << "x" << cols << " GemmRows";
   }
 }
 
