@@ -31,6 +31,11 @@ namespace {
 
 constexpr int64_t kDecodeGroupRows = 8;
 constexpr int64_t kPrefillGroupRows = 32;
+// Keys per step of the online softmax. Fixed, not the cache's block size: the running max, the
+// rescaling and the partial sums then happen at the same keys whatever the block size, so a
+// sequence's attention is bitwise the same in caches of different block sizes (the SLP runner's
+// 64-token blocks and a decode worker's 16-token blocks hand the same KV over).
+constexpr int64_t kKeyTile = 16;
 
 // A query row of a group.
 struct Row {
@@ -60,6 +65,7 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const MlaKeyRan
   const int64_t rf = a.cache.row_floats;
   const int64_t rkv = d.kv_lora_rank;
   const int64_t bs = a.cache.block_size;
+  constexpr int64_t tile = kKeyTile;  // scores row stride
   const int32_t* table = a.block_tables + seg.block_table_offset;
   int64_t max_pos = 0;
   for (int64_t r = 0; r < count; ++r) max_pos = std::max(max_pos, rows[r].pos);
@@ -68,37 +74,43 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const MlaKeyRan
   const float scale = d.softmax_scale;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  for (int64_t k0 = first_key / bs * bs; k0 < num_keys; k0 += bs) {
-    const int64_t nk = std::min(bs, num_keys - k0);
-    const float* keys = a.cache.base + static_cast<int64_t>(table[k0 / bs]) * a.cache.block_stride;
-    // Keys of the block before the range (partial attention) may not be written yet: never read.
+  for (int64_t k0 = first_key / tile * tile; k0 < num_keys; k0 += tile) {
+    const int64_t nk = std::min(tile, num_keys - k0);
+    // Keys of the tile before the range (partial attention) may not be written yet: never read.
     const int64_t j0 = std::max<int64_t>(0, first_key - k0);
+    // The tile's keys may span cache blocks.
+    const float* key[kKeyTile];
+    for (int64_t j = j0; j < nk; ++j) {
+      const int64_t pos = k0 + j;
+      key[j] = a.cache.base + static_cast<int64_t>(table[pos / bs]) * a.cache.block_stride +
+               (pos % bs) * rf;
+    }
     // Scores [count][nk], masked (causal) to -inf.
     int64_t r = 0;
     for (; r < count; ++r) {
-      for (int64_t j = 0; j < j0; ++j) scores[r * bs + j] = neg_inf;
+      for (int64_t j = 0; j < j0; ++j) scores[r * tile + j] = neg_inf;
     }
     r = 0;
     for (; r + 4 <= count; r += 4) {
       for (int64_t j = j0; j < nk; ++j) {
         float s4[4];
-        cpu::Dot4F32(qcat + r * rf, rf, keys + j * rf, rf, s4);
+        cpu::Dot4F32(qcat + r * rf, rf, key[j], rf, s4);
         for (int i = 0; i < 4; ++i) {
-          scores[(r + i) * bs + j] =
+          scores[(r + i) * tile + j] =
               k0 + j <= rows[r + i].pos && k0 + j >= first_key ? s4[i] * scale : neg_inf;
         }
       }
     }
     for (; r < count; ++r) {
       for (int64_t j = j0; j < nk; ++j) {
-        scores[r * bs + j] = k0 + j <= rows[r].pos && k0 + j >= first_key
-                                 ? cpu::DotF32(qcat + r * rf, keys + j * rf, rf) * scale
-                                 : neg_inf;
+        scores[r * tile + j] = k0 + j <= rows[r].pos && k0 + j >= first_key
+                                   ? cpu::DotF32(qcat + r * rf, key[j], rf) * scale
+                                   : neg_inf;
       }
     }
     // Online softmax: rescale each row's accumulator to the new running max.
     for (r = 0; r < count; ++r) {
-      float* s = scores + r * bs;
+      float* s = scores + r * tile;
       float block_max = neg_inf;
       for (int64_t j = 0; j < nk; ++j) block_max = std::max(block_max, s[j]);
       if (block_max == neg_inf) {
@@ -125,15 +137,15 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const MlaKeyRan
     r = 0;
     for (; r + 4 <= count; r += 4) {
       for (int64_t j = j0; j < nk; ++j) {
-        const float p[4] = {scores[r * bs + j], scores[(r + 1) * bs + j], scores[(r + 2) * bs + j],
-                            scores[(r + 3) * bs + j]};
-        cpu::Axpy4F32(p, keys + j * rf, acc + r * rkv, rkv, rkv);
+        const float p[4] = {scores[r * tile + j], scores[(r + 1) * tile + j],
+                            scores[(r + 2) * tile + j], scores[(r + 3) * tile + j]};
+        cpu::Axpy4F32(p, key[j], acc + r * rkv, rkv, rkv);
       }
     }
     for (; r < count; ++r) {
       for (int64_t j = j0; j < nk; ++j) {
-        const float p = scores[r * bs + j];
-        if (p != 0.0f) cpu::AxpyF32(p, keys + j * rf, acc + r * rkv, rkv);
+        const float p = scores[r * tile + j];
+        if (p != 0.0f) cpu::AxpyF32(p, key[j], acc + r * rkv, rkv);
       }
     }
   }
@@ -206,7 +218,7 @@ void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const MlaPartialSta
   // 2. Attention over the cache, per run of rows of one segment.
   float* acc = reinterpret_cast<float*>(ts.acc.Get(n * rkv * sizeof(float)));
   std::fill(acc, acc + n * rkv, 0.0f);
-  float* scores = reinterpret_cast<float*>(ts.scores.Get(n * a.cache.block_size * sizeof(float)));
+  float* scores = reinterpret_cast<float*>(ts.scores.Get(n * kKeyTile * sizeof(float)));
   float* stats = reinterpret_cast<float*>(ts.stats.Get(2 * n * sizeof(float)));
   float* row_max = stats;
   float* row_sum = stats + n;
@@ -220,7 +232,7 @@ void RunTask(const CpuKernels& k, const MlaAttentionArgs& a, const MlaPartialSta
                                   ? a.key_ranges[segment]
                                   : MlaKeyRange{0, std::numeric_limits<int64_t>::max()};
     AttendRun(a, a.segments[segment], range, grow + r0, r1 - r0, qcat + r0 * rf, acc + r0 * rkv,
-              scores + r0 * a.cache.block_size, row_max + r0, row_sum + r0);
+              scores + r0 * kKeyTile, row_max + r0, row_sum + r0);
     r0 = r1;
   }
   if (partial != nullptr) {

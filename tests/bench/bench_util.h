@@ -45,6 +45,16 @@ float ReadSum(const std::byte* p, size_t bytes);
 // GB/s) this is the achievable read bandwidth, the fair reference for a prefetching kernel.
 float ReadSumStreams(const std::byte* p, size_t bytes);
 
+// The read kernels the benchmarks take the best of ("best read bandwidth", the upper bound of a
+// kernel that streams its operand once): STREAM-like linear (ReadSum), 8 prefetched streams
+// (ReadSumStreams), and 4 streams prefetched 2 KiB ahead into L1 or 4 KiB ahead into L2
+// (AVX-512; the AVX2 fallback is the 8-stream kernel).
+enum class ReadKernel { kLinear, kStreams8, kStreams4T0, kStreams4T1 };
+inline constexpr ReadKernel kAllReadKernels[] = {ReadKernel::kLinear, ReadKernel::kStreams8,
+                                                 ReadKernel::kStreams4T0, ReadKernel::kStreams4T1};
+const char* ReadKernelName(ReadKernel kernel);
+float ReadSumWith(ReadKernel kernel, const std::byte* p, size_t bytes);
+
 // The pool for `threads` threads on one node (cached; threads 1..n-1 pinned).
 CpuWorkerPool& PoolForThreads(int threads);
 
@@ -70,6 +80,10 @@ double TimedRun(CpuWorkerPool& pool, const std::function<void(int)>& fn);
 double TimedReadGBps(CpuWorkerPool& pool, const std::byte* p, size_t bytes);
 // The same with ReadSumStreams.
 double TimedReadStreamsGBps(CpuWorkerPool& pool, const std::byte* p, size_t bytes);
+
+// The same with any read kernel.
+double TimedReadKernelGBps(CpuWorkerPool& pool, ReadKernel kernel, const std::byte* p,
+                           size_t bytes);
 
 // Rows [begin, end) of `rows` for thread t of n, on multiples of 128 rows (scale blocks).
 void SplitRows(int64_t rows, int t, int n, int64_t* begin, int64_t* end);

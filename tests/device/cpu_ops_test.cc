@@ -2,6 +2,7 @@
 // every variant against a plain loop.
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -24,6 +25,23 @@ std::vector<float> RandomFloats(size_t n, uint32_t seed) {
 }
 
 float Bf16(float f) { return kernels::Bf16BitsToFloat(kernels::FloatToBf16Bits(f)); }
+
+// HMOE_CPU_ISA reaches every kernel family: ctest runs this binary a second time with
+// HMOE_CPU_ISA=avx2 on AVX-512 machines (label cpu_isa); without the variable, it checks the
+// default dispatch.
+TEST(CpuIsaOverrideTest, Bf16AndF32OpsFollowTheFp8Choice) {
+  const CpuIsa isa = BestCpuIsa();
+  const char* env = std::getenv("HMOE_CPU_ISA");
+  if (env != nullptr && (std::strcmp(env, "avx2") == 0 || std::strcmp(env, "scalar") == 0)) {
+    EXPECT_EQ(CpuIsaName(isa), env);
+    EXPECT_FALSE(F32OpsUseAvx512());
+  }
+  // The BF16 GEMV has no AVX2 variant: AVX2 machines (and forced AVX2) use the scalar one.
+  EXPECT_EQ(DefaultBf16Gemv().isa(), isa == CpuIsa::kAvx2 ? CpuIsa::kScalar : isa);
+  if (isa >= CpuIsa::kAvx512) {
+    EXPECT_TRUE(F32OpsUseAvx512());
+  }
+}
 
 class Bf16GemvTest : public ::testing::TestWithParam<CpuIsa> {};
 

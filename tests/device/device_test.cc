@@ -482,7 +482,7 @@ TEST_P(DeviceTest, MoeGateMatchesReferenceOnTiesAndNearTies) {
 // against the reference's absorbed MLA on the same keys.
 class MlaTest : public DeviceTest {
  protected:
-  static constexpr int64_t kHeads = 3, kDn = 32, kDr = 16, kDv = 24, kRkv = 40, kBlock = 4;
+  static constexpr int64_t kHeads = 3, kDn = 32, kDr = 16, kDv = 24, kRkv = 40;
   static constexpr int64_t kRow = kRkv + kDr;
 
   struct Sequence {
@@ -495,6 +495,10 @@ class MlaTest : public DeviceTest {
   // over key-range parts, parts[c][s] the keys of sequence s in call c (call 0 with
   // state.first), then MlaProjectLatent.
   enum class Mode { kDecode, kPrefill, kPartial };
+
+  // Tokens per cache block of the next Run; its output (rows x out_stride) is left in out_.
+  int64_t block_ = 4;
+  std::vector<float> out_;
 
   void Run(bool decode, std::vector<Sequence>& seqs) {
     Run(decode ? Mode::kDecode : Mode::kPrefill, seqs, {});
@@ -519,7 +523,7 @@ class MlaTest : public DeviceTest {
     }
     // Cache pool of 32 blocks; sequences get shuffled blocks.
     constexpr int64_t kPoolBlocks = 32;
-    std::vector<float> pool(kPoolBlocks * kBlock * kRow, std::nanf(""));
+    std::vector<float> pool(kPoolBlocks * block_ * kRow, std::nanf(""));
     std::vector<int32_t> free_blocks(kPoolBlocks);
     std::iota(free_blocks.begin(), free_blocks.end(), 0);
     std::shuffle(free_blocks.begin(), free_blocks.end(), std::mt19937(21));
@@ -531,7 +535,7 @@ class MlaTest : public DeviceTest {
       const int64_t keys = q.start_pos + q.num_queries;
       q.latent = RandomFloats(keys * kRkv, 30 + s);
       q.k_pe = RandomFloats(keys * kDr, 40 + s);
-      const int64_t nblocks = (keys + kBlock - 1) / kBlock;
+      const int64_t nblocks = (keys + block_ - 1) / block_;
       MlaSegment seg{rows, q.num_queries, q.start_pos, static_cast<int64_t>(tables.size())};
       for (int64_t b = 0; b < nblocks; ++b) {
         tables.push_back(free_blocks.back());
@@ -539,7 +543,7 @@ class MlaTest : public DeviceTest {
       }
       for (int64_t k = 0; k < keys; ++k) {
         float* row = pool.data() +
-                     (tables[seg.block_table_offset + k / kBlock] * kBlock + k % kBlock) * kRow;
+                     (tables[seg.block_table_offset + k / block_] * block_ + k % block_) * kRow;
         std::copy_n(q.latent.begin() + k * kRkv, kRkv, row);
         std::copy_n(q.k_pe.begin() + k * kDr, kDr, row + kRkv);
       }
@@ -554,7 +558,7 @@ class MlaTest : public DeviceTest {
     args.q_stride = q_stride;
     args.w_uk_t = w_uk_t;
     args.kv_b = {DType::kF32, Upload(kv_b), kHeads * (kDn + kDv), kRkv, kRkv, nullptr, 0};
-    args.cache = {Upload(pool), kBlock, kBlock * kRow, kRow};
+    args.cache = {Upload(pool), block_, block_ * kRow, kRow};
     args.block_tables = Upload(tables);
     args.segments = segments;
     const int64_t out_stride = kHeads * kDv + 3;
@@ -587,6 +591,7 @@ class MlaTest : public DeviceTest {
                       .ok());
     }
     const std::vector<float> got = Download(args.out, rows * out_stride);
+    out_ = got;
     for (size_t s = 0; s < seqs.size(); ++s) {
       const Sequence& sq = seqs[s];
       const int64_t n = sq.num_queries;
@@ -625,6 +630,28 @@ TEST_P(MlaTest, PrefillAttentionMatchesReference) {
   // 37 queries span two tiles of 32; the second sequence starts mid-block.
   std::vector<Sequence> seqs = {{0, 37, {}, {}, {}}, {6, 9, {}, {}, {}}, {0, 1, {}, {}, {}}};
   Run(/*decode=*/false, seqs);
+}
+
+// The cache's block size is a storage detail: the CPU attention steps its online softmax by a
+// fixed number of keys, so the output is bitwise the same for any block size (an SLP prefill
+// worker and a decode worker with different block sizes compute the same KV).
+TEST_P(MlaTest, CpuAttentionDoesNotDependOnTheBlockSize) {
+  if (GetParam() != DeviceKind::kCpu) GTEST_SKIP() << "bitwise promise of the CPU device only";
+  for (bool decode : {false, true}) {
+    std::vector<std::vector<float>> outs;
+    for (int64_t block : {4, 16, 7, 64}) {
+      std::vector<Sequence> seqs = {{0, decode ? 1 : 37, {}, {}, {}},
+                                    {decode ? 40 : 6, decode ? 1 : 9, {}, {}, {}}};
+      block_ = block;
+      Run(decode, seqs);
+      outs.push_back(out_);
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      ASSERT_EQ(outs[i].size(), outs[0].size());
+      EXPECT_EQ(0, std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * sizeof(float)))
+          << (decode ? "decode" : "prefill") << ", block size case " << i;
+    }
+  }
 }
 
 TEST_P(MlaTest, PartialAttentionOverOneRangeIsThePrefillAttention) {

@@ -225,6 +225,38 @@ TEST(EngineTest, SequenceResultsDoNotDependOnTheOtherSequencesOfTheStep) {
   EXPECT_GE(tested, 1);
 }
 
+// The KV cache's block size is a storage detail: the same prompt gives bitwise the same logits
+// and KV in caches of 16- and 64-token blocks (the SLP prefill worker's cache and a decode
+// worker's differ; the hand-off is checked bitwise against the resident engine). Attention must
+// not step its online softmax by cache block.
+TEST(EngineTest, ResultsDoNotDependOnTheKvBlockSize) {
+  Model& model = Tiny();
+  const std::vector<int32_t> prompt = RandomTokens(45, 3, 1000);
+  const int32_t next = 17;
+  std::vector<std::vector<float>> logits;
+  std::vector<std::vector<std::byte>> kv;
+  for (int64_t block_size : {16, 64, 7}) {
+    auto rig = Rig::Make(model, {}, 1024 / block_size, block_size);
+    ASSERT_NE(rig, nullptr);
+    KvSequence seq = rig->cache->NewSequence();
+    std::vector<float> l = rig->Run(seq, prompt);
+    const std::vector<float> d = rig->Run(seq, std::span<const int32_t>(&next, 1));
+    l.insert(l.end(), d.begin(), d.end());
+    logits.push_back(l);
+    std::vector<std::byte> bytes(rig->cache->ExportBytes(seq.num_tokens()));
+    auto stream = rig->device->CreateStream();
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(rig->cache->Export(seq, **stream, bytes.data(), MemorySpace::kHost).ok());
+    kv.push_back(std::move(bytes));
+  }
+  for (size_t i = 1; i < logits.size(); ++i) {
+    ASSERT_EQ(logits[i].size(), logits[0].size());
+    EXPECT_EQ(0, std::memcmp(logits[i].data(), logits[0].data(), logits[0].size() * 4))
+        << "case " << i << ", max abs diff " << MaxAbsDiff(logits[i], logits[0]);
+    EXPECT_TRUE(kv[i] == kv[0]) << "case " << i;
+  }
+}
+
 TEST(EngineTest, LongPromptIsSplitIntoStepsWithBoundedScratch) {
   Model& model = Tiny();
   EngineOptions options;

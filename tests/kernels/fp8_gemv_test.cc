@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -151,6 +153,21 @@ TEST(CpuFeaturesTest, ScalarAlwaysSupportedAndBestIsSupported) {
   EXPECT_EQ(CpuIsaName(CpuIsa::kAvx512Bf16), "avx512bf16");
 }
 
+// HMOE_CPU_ISA lowers the dispatch (ctest runs this binary again with HMOE_CPU_ISA=avx2 on
+// AVX-512 machines, label cpu_isa).
+TEST(CpuFeaturesTest, TheIsaOverrideIsHonored) {
+  const char* env = std::getenv("HMOE_CPU_ISA");
+  if (env == nullptr || *env == '\0') GTEST_SKIP() << "HMOE_CPU_ISA is not set";
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+    if (CpuIsaName(isa) != env) continue;
+    if (!CpuSupports(isa)) GTEST_SKIP() << env << " is not supported by this CPU";
+    EXPECT_EQ(BestCpuIsa(), isa);
+    EXPECT_EQ(DefaultFp8Gemv().isa(), isa);
+    return;
+  }
+  GTEST_SKIP() << "HMOE_CPU_ISA=" << env << " names no variant";
+}
+
 TEST(Fp8MatrixViewTest, SlicesPointAtTheirBlocks) {
   std::vector<uint8_t> data(384 * 300);
   std::vector<float> scales(3 * 3);
@@ -179,16 +196,22 @@ TEST_P(Fp8GemvVariantTest, DecodesAll256CodesExactly) {
       std::fill(w.data.begin() + m * k, w.data.begin() + (m + 1) * k, static_cast<uint8_t>(m));
     }
     w.scales.assign(2 * CeilDiv(k, 128), 1.0f);
-    const std::vector<float> x(k, 1.0f);
-    const Packed p = PackAll(*gemv_, x, 1, k);
-    std::vector<float> y(256, -1.0f);
-    gemv_->MatVec(w.view(), p.data, p.stride, 1, 0, 256, y.data(), 256);
-    for (int m = 0; m < 256; ++m) {
-      const float want = static_cast<float>(k) * Fp8E4M3ToFloatBits(static_cast<uint8_t>(m));
-      if (IsNanCode(static_cast<uint8_t>(m))) {
-        EXPECT_TRUE(std::isnan(y[m])) << "code " << m << " k " << k;
-      } else {
-        EXPECT_EQ(y[m], want) << "code " << m << " k " << k;
+    // One token, and the multi-token paths (wide tiles from 3 tokens, GemmRows beyond 8).
+    for (int n : {1, 2, 3, 8, 11}) {
+      const std::vector<float> x(n * k, 1.0f);
+      const Packed p = PackAll(*gemv_, x, n, k);
+      std::vector<float> y(n * 256, -1.0f);
+      gemv_->GemmRows(w.view(), p.data, p.stride, n, 0, 256, y.data(), 256);
+      for (int t = 0; t < n; ++t) {
+        for (int m = 0; m < 256; ++m) {
+          const float want = static_cast<float>(k) * Fp8E4M3ToFloatBits(static_cast<uint8_t>(m));
+          const float got = y[t * 256 + m];
+          if (IsNanCode(static_cast<uint8_t>(m))) {
+            EXPECT_TRUE(std::isnan(got)) << "code " << m << " k " << k << " n " << n;
+          } else {
+            EXPECT_EQ(got, want) << "code " << m << " k " << k << " n " << n << " token " << t;
+          }
+        }
       }
     }
   }
@@ -393,6 +416,78 @@ TEST_P(Fp8GemvVariantTest, GemmRowsMatchesPerTokenMatVec) {
     for (int64_t m = 50; m < 300; ++m) {
       ASSERT_NEAR(y[t * 250 + m - 50], exact.y[t * 300 + m], 1e-6 * exact.magnitude[t * 300 + m])
           << t << " " << m;
+    }
+  }
+}
+
+// A token's result does not depend, bitwise, on the other tokens of the call, on the row range
+// the call covers, nor on MatVec vs GemmRows: the engine's prefill (grouped experts, any number
+// of tokens per expert) and decode (executor, up to kMaxMatVecTokens) paths, and the SLP runner
+// against the resident engine, rely on it.
+TEST_P(Fp8GemvVariantTest, TokenResultsDoNotDependOnBatchOrRowRange) {
+  std::mt19937 rng(4242);
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{300, 256}, {131, 200}, {64, 1000}}) {
+    const TestMatrix w = RandomMatrix(rows, cols, rng);
+    const int64_t n = 45;
+    const std::vector<float> x = RandomActivations(n, cols, rng);
+    const Packed p = PackAll(*gemv_, x, n, cols);
+    // Alone: one token, all rows.
+    std::vector<float> alone(n * rows);
+    for (int64_t t = 0; t < n; ++t) {
+      gemv_->MatVec(w.view(), p.data + t * p.stride, p.stride, 1, 0, rows, alone.data() + t * rows,
+                    rows);
+    }
+    // Every batch size, rows in ragged ranges (odd starts and ends).
+    for (int nb = 2; nb <= kMaxMatVecTokens; ++nb) {
+      std::vector<float> y(n * rows, -1.0f);
+      for (int64_t t0 = 0; t0 < n; t0 += nb) {
+        const int nt = static_cast<int>(std::min<int64_t>(nb, n - t0));
+        for (int64_t m0 = 0; m0 < rows;) {
+          const int64_t m1 = std::min<int64_t>(rows, m0 + 1 + (m0 * 7 + nb) % 37);
+          gemv_->MatVec(w.view(), p.data + t0 * p.stride, p.stride, nt, m0, m1,
+                        y.data() + t0 * rows + m0, rows);
+          m0 = m1;
+        }
+      }
+      ASSERT_EQ(0, std::memcmp(y.data(), alone.data(), y.size() * sizeof(float)))
+          << rows << "x" << cols << " batches of " << nb;
+    }
+    std::vector<float> g(n * rows, -1.0f);
+    gemv_->GemmRows(w.view(), p.data, p.stride, n, 0, rows, g.data(), rows);
+    ASSERT_EQ(0, std::memcmp(g.data(), alone.data(), g.size() * sizeof(float)))
+        << rows << "x" << cols << " GemmRows";
+  }
+}
+
+// The multi-token path (GemmRows: prefill chunks, experts with many tokens) for M = 1..600
+// tokens on ragged shapes and row ranges, against the scalar reference: both within 1e-6 of
+// sum |w * x * s| of the FP64 result (F32 rounding of 128-term block sums and the block sum).
+TEST_P(Fp8GemvVariantTest, GemmRowsMatchesReferenceFrom1To600Tokens) {
+  std::mt19937 rng(600);
+  constexpr int64_t kMaxTokens = 600;
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{37, 200}, {131, 77}}) {
+    const TestMatrix w = RandomMatrix(rows, cols, rng);
+    const std::vector<float> x = RandomActivations(kMaxTokens, cols, rng);
+    const Packed p = PackAll(*gemv_, x, kMaxTokens, cols);
+    const Packed pr = PackAll(*reference_, x, kMaxTokens, cols);
+    const RefResult exact = ReferenceFp64(w.view(), x, kMaxTokens);
+    std::vector<int64_t> counts;
+    for (int64_t n = 1; n <= 17; ++n) counts.push_back(n);
+    for (int64_t n : {31, 64, 129, 257, 600}) counts.push_back(n);
+    for (int64_t n : counts) {
+      const int64_t m_begin = n % 2 == 0 ? 0 : 5;  // ragged row ranges too
+      const int64_t len = rows - m_begin;
+      std::vector<float> y(n * len), yr(n * len);
+      gemv_->GemmRows(w.view(), p.data, p.stride, n, m_begin, rows, y.data(), len);
+      reference_->GemmRows(w.view(), pr.data, pr.stride, n, m_begin, rows, yr.data(), len);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t m = m_begin + i;
+          const double tol = 1e-6 * exact.magnitude[t * rows + m] + 1e-30;
+          ASSERT_NEAR(y[t * len + i], yr[t * len + i], 2 * tol)
+              << rows << "x" << cols << " n " << n << " token " << t << " row " << m;
+        }
+      }
     }
   }
 }

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/kernels/cpu/fp8_gemv.h"
+
 namespace hmoe::cpu {
 namespace {
 
@@ -13,12 +15,12 @@ bool DetectAvx512() {
       !__builtin_cpu_supports("avx512vl")) {
     return false;
   }
+  // The FP8 kernels' choice (HMOE_CPU_ISA lowers it). AVX-512 F/BW/VL suffice here, so a CPU
+  // without VBMI (whose FP8 kernels are the AVX2 ones) still gets these unless lowered by hand.
+  const cpu::CpuIsa isa = cpu::BestCpuIsa();
+  if (isa >= cpu::CpuIsa::kAvx512) return true;
   const char* env = std::getenv("HMOE_CPU_ISA");
-  // The same knob as the FP8 kernels: "scalar" and "avx2" lower the choice.
-  if (env != nullptr && (std::strcmp(env, "scalar") == 0 || std::strcmp(env, "avx2") == 0)) {
-    return false;
-  }
-  return true;
+  return env == nullptr || (std::strcmp(env, "scalar") != 0 && std::strcmp(env, "avx2") != 0);
 }
 
 const bool kUseAvx512 = DetectAvx512();

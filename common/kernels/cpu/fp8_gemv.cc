@@ -127,23 +127,42 @@ bool CpuSupports(CpuIsa isa) {
   return false;
 }
 
-CpuIsa BestCpuIsa() {
+namespace {
+
+CpuIsa SelectCpuIsa() {
   CpuIsa best = CpuIsa::kScalar;
   for (CpuIsa isa : kAllIsas) {
     if (CpuSupports(isa)) best = isa;
   }
   const char* env = std::getenv("HMOE_CPU_ISA");
+  CpuIsa chosen = best;
   if (env != nullptr && *env != '\0') {
+    bool honored = false;
     for (CpuIsa isa : kAllIsas) {
       if (CpuIsaName(isa) == env) {
-        if (CpuSupports(isa) && static_cast<int>(isa) <= static_cast<int>(best)) return isa;
+        if (CpuSupports(isa) && static_cast<int>(isa) <= static_cast<int>(best)) {
+          chosen = isa;
+          honored = true;
+        }
         break;
       }
     }
-    HMOE_LOG(WARNING) << "HMOE_CPU_ISA=" << env << " is unknown or not supported here; using "
-                      << CpuIsaName(best);
+    if (!honored) {
+      HMOE_LOG(WARNING) << "HMOE_CPU_ISA=" << env << " is unknown or not supported here; using "
+                        << CpuIsaName(best);
+    }
   }
-  return best;
+  // Once per process: which kernels every CPU kernel family (FP8 and BF16 GEMV, F32 ops) uses.
+  HMOE_LOG(INFO) << "cpu kernels: " << CpuIsaName(chosen) << " (this CPU supports up to "
+                 << CpuIsaName(best) << (chosen != best ? ", lowered by HMOE_CPU_ISA)" : ")");
+  return chosen;
+}
+
+}  // namespace
+
+CpuIsa BestCpuIsa() {
+  static const CpuIsa kIsa = SelectCpuIsa();
+  return kIsa;
 }
 
 Fp8MatrixView Fp8MatrixView::Dense(const uint8_t* data, const float* scale_inv, int64_t rows,

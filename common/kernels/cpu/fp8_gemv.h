@@ -47,7 +47,8 @@ std::string_view CpuIsaName(CpuIsa isa);
 bool CpuSupports(CpuIsa isa);
 // The fastest variant this CPU supports. The environment variable HMOE_CPU_ISA (one of the names
 // above) lowers the choice, e.g. to test the AVX2 path on an AVX-512 machine; an unsupported or
-// unknown value is ignored with a warning.
+// unknown value is ignored with a warning. Decided (and logged) once per process; every CPU
+// kernel family dispatches by it (FP8 and BF16 GEMV, the F32 ops of f32_ops.h).
 CpuIsa BestCpuIsa();
 
 // A read-only view of a row-major FP8 E4M3 matrix with 128x128 block scales. Does not own memory.

@@ -1,12 +1,27 @@
-// AVX2 + FMA + F16C variant of Fp8Gemv, for CPUs without AVX-512 BF16. Compiled with -mavx2 -mfma
-// -mf16c (this file only); reached only through the dispatcher after a CPU check. Keep
-// standard-library templates out of this file (see fp8_gemv_avx512.cc).
+// AVX2 + FMA + F16C variant of Fp8Gemv, for CPUs without AVX-512 (Zen 3 and older Intel cores).
+// Compiled with -mavx2 -mfma -mf16c (this file only); reached only through the dispatcher after
+// a CPU check. Keep standard-library templates out of this file (see fp8_gemv_avx512.cc).
 //
 // An E4M3 code shifted into an IEEE half is exactly the code's value times 2^-8: the 4-bit
 // exponent lands in the low bits of the half's 5-bit exponent, whose bias is 8 larger, and E4M3
-// subnormals become half subnormals. vcvtph2ps then gives F32, the 2^8 is folded into the block
-// scale, and the dot products run in F32 FMAs against the BF16-rounded activation (stored as F32,
-// natural order). Products are exact, so only the summation order differs from the reference.
+// subnormals become half subnormals. Per 32 weight bytes (one load) the conversion is integer
+// work on 16-bit words, without byte shuffles: a word holds an even-column code in its low byte
+// and an odd-column code in its high byte; (word >>arith 1) & 0xBF80 is the odd code's half,
+// ((word << 8) >>arith 1) & 0xBF80 the even code's. Four vcvtph2ps give F32; the 2^8 is folded
+// into the block scale; the dot products run in F32 FMAs against the BF16-rounded activation,
+// which Pack stores (as F32) in the matching order: per 32 columns [even 0..14][odd 1..15]
+// [even 16..30][odd 17..31]. Products are exact, so only the summation order differs from the
+// reference: per (row, token) two accumulators (even and odd columns) per 128-column block, added
+// and scaled at the block's end, the same whatever the tile's rows and tokens (a token's result
+// does not depend on the other tokens of the call).
+//
+// NaN codes (0x7F, 0xFF) are not decoded in the inner loop: a tile ORs every code with 0x80 and
+// keeps the byte-wise maximum; a maximum of 0xFF (rare: real checkpoints have no NaN) sends the
+// tile's rows through a scalar scan that sets the rows holding one to NaN.
+//
+// Prefetch: while a tile of rows is read, every 64 columns prefetch the same columns of the next
+// tile's rows `prefetch_bytes` ahead (row by row: R more streams in flight, what a single core
+// needs to approach its bandwidth, as in the AVX-512 variants).
 
 // GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593) when they
 // are inlined into our functions; the location is inside the intrinsics headers.
@@ -24,6 +39,9 @@
 #include "common/kernels/cpu/fp8_gemv_internal.h"
 
 #define HMOE_AVX2_INLINE inline __attribute__((always_inline))
+// Fully unrolls the loops over a tile's rows and tokens so the accumulators live in registers
+// (GCC 12 at -O2 keeps them on the stack otherwise: measured 2x slower for 2 tokens).
+#define HMOE_UNROLL _Pragma("GCC unroll 16")
 
 namespace hmoe::cpu::internal {
 namespace {
@@ -47,7 +65,7 @@ float FromBf16(uint16_t b) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
-constexpr int64_t kStep = 16;  // weight bytes per step
+constexpr int64_t kStep = 32;  // weight bytes per step (one load)
 
 struct TileArgs {
   const uint8_t* w;
@@ -58,78 +76,111 @@ struct TileArgs {
   int64_t x_stride;  // floats between tokens
   float* y;
   int64_t y_stride;
-  const uint8_t* pf;
-  const uint8_t* pf_end;
+  const uint8_t* pf;      // the next tile's first row, plus the prefetch distance
+  const uint8_t* pf_end;  // nullptr: no prefetch
 };
 
-// 16 FP8 codes -> 16 floats (value * 2^-8), NaN codes -> NaN.
-HMOE_AVX2_INLINE void Expand(__m128i codes, __m256* lo, __m256* hi) {
-  const __m256i w = _mm256_cvtepu8_epi16(codes);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-  const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
-  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
-  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
+struct Consts {
+  __m256i half_mask = _mm256_set1_epi16(static_cast<short>(0xBF80));
+  __m256i high_bit = _mm256_set1_epi8(static_cast<char>(0x80));
+};
 
-template <int R, int N>
-HMOE_AVX2_INLINE void Step(const TileArgs& a, int64_t k0, int64_t valid, __m256 (&acc)[R][N]) {
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* p = a.w + r * a.row_stride + k0;
-    __m128i codes;
-    if (valid >= kStep) {
-      codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    } else {
-      alignas(16) uint8_t tail[kStep] = {};
-      std::memcpy(tail, p, static_cast<size_t>(valid));
-      codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
-    }
-    __m256 lo, hi;
-    Expand(codes, &lo, &hi);
-    for (int t = 0; t < N; ++t) {
-      const float* x = a.x + t * a.x_stride + k0;
-      acc[r][t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x), acc[r][t]);
-      acc[r][t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), acc[r][t]);
-    }
+// acc0 += even columns * x, acc1 += odd columns * x for the 32 codes `c` at packed activation x.
+template <int N>
+HMOE_AVX2_INLINE void Dot32(__m256i c, const Consts& k, const float* x, int64_t x_stride,
+                            __m256 (&acc0)[N], __m256 (&acc1)[N]) {
+  const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(c, 1), k.half_mask);
+  const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(c, 8), 1), k.half_mask);
+  const __m256 e0 = _mm256_cvtph_ps(_mm256_castsi256_si128(even));
+  const __m256 o0 = _mm256_cvtph_ps(_mm256_castsi256_si128(odd));
+  const __m256 e1 = _mm256_cvtph_ps(_mm256_extracti128_si256(even, 1));
+  const __m256 o1 = _mm256_cvtph_ps(_mm256_extracti128_si256(odd, 1));
+  HMOE_UNROLL
+  for (int t = 0; t < N; ++t) {
+    const float* xt = x + t * x_stride;
+    acc0[t] = _mm256_fmadd_ps(e0, _mm256_loadu_ps(xt), acc0[t]);
+    acc1[t] = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xt + 8), acc1[t]);
+    acc0[t] = _mm256_fmadd_ps(e1, _mm256_loadu_ps(xt + 16), acc0[t]);
+    acc1[t] = _mm256_fmadd_ps(o1, _mm256_loadu_ps(xt + 24), acc1[t]);
   }
 }
 
+HMOE_AVX2_INLINE float ReduceAdd(__m256 v) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+bool IsNanCode(uint8_t c) { return (c & 0x7f) == 0x7f; }
+
+// R rows x N tokens over all K columns.
 template <int R, int N>
 __attribute__((noinline)) void Tile(const TileArgs& a) {
+  const Consts k;
   __m256 total[R][N];
+  HMOE_UNROLL
   for (int r = 0; r < R; ++r) {
+    HMOE_UNROLL
     for (int t = 0; t < N; ++t) total[r][t] = _mm256_setzero_ps();
   }
-  int64_t pf_step = 0;
+  __m256i nan_max = _mm256_setzero_si256();
   for (int64_t k0 = 0; k0 < a.k; k0 += kScaleBlock) {
-    __m256 blk[R][N];
-    for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < N; ++t) blk[r][t] = _mm256_setzero_ps();
-    }
     const int64_t k1 = k0 + kScaleBlock < a.k ? k0 + kScaleBlock : a.k;
-    for (int64_t k = k0; k < k1; k += kStep) {
-      Step<R, N>(a, k, k1 - k, blk);
-      // One 64-byte line per row every four steps keeps the linear prefetch at the rows' pace.
-      if ((pf_step++ & 3) == 0) {
+    __m256 acc0[R][N], acc1[R][N];
+    HMOE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      HMOE_UNROLL
+      for (int t = 0; t < N; ++t) acc0[r][t] = acc1[r][t] = _mm256_setzero_ps();
+    }
+    for (int64_t c = k0; c < k1; c += kStep) {
+      const float* x = a.x + c;
+      HMOE_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = a.w + r * a.row_stride + c;
+        __m256i codes;
+        if (k1 - c >= kStep) {
+          codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        } else {
+          alignas(32) uint8_t tail[kStep] = {};
+          std::memcpy(tail, p, static_cast<size_t>(k1 - c));
+          codes = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+        }
+        nan_max = _mm256_max_epu8(nan_max, _mm256_or_si256(codes, k.high_bit));
+        Dot32<N>(codes, k, x, a.x_stride, acc0[r], acc1[r]);
+      }
+      // Every 64 columns, one line of each row of the next tile.
+      if (a.pf_end != nullptr && ((c - k0) & 63) == 0) {
+        HMOE_UNROLL
         for (int r = 0; r < R; ++r) {
-          const uint8_t* line = a.pf + (pf_step / 4) * (R * 64) + r * 64;
+          const uint8_t* line = a.pf + r * a.row_stride + c;
           if (line < a.pf_end) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
         }
       }
     }
     const __m256 s = _mm256_set1_ps(a.scales[k0 / kScaleBlock] * 256.0f);
+    HMOE_UNROLL
     for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < N; ++t) total[r][t] = _mm256_fmadd_ps(blk[r][t], s, total[r][t]);
+      HMOE_UNROLL
+      for (int t = 0; t < N; ++t) {
+        total[r][t] = _mm256_fmadd_ps(_mm256_add_ps(acc0[r][t], acc1[r][t]), s, total[r][t]);
+      }
     }
   }
+  HMOE_UNROLL
   for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < N; ++t) {
-      const __m128 v =
-          _mm_add_ps(_mm256_castps256_ps128(total[r][t]), _mm256_extractf128_ps(total[r][t], 1));
-      const __m128 h = _mm_add_ps(v, _mm_movehl_ps(v, v));
-      a.y[t * a.y_stride + r] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    HMOE_UNROLL
+    for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = ReduceAdd(total[r][t]);
+  }
+  const __m256i all_ones = _mm256_cmpeq_epi8(nan_max, nan_max);
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(nan_max, all_ones)) != 0) {
+    HMOE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = a.w + r * a.row_stride;
+      bool nan = false;
+      for (int64_t c = 0; c < a.k && !nan; ++c) nan = IsNanCode(row[c]);
+      if (!nan) continue;
+      HMOE_UNROLL
+      for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = __builtin_nanf("");
     }
   }
 }
@@ -137,6 +188,8 @@ __attribute__((noinline)) void Tile(const TileArgs& a) {
 template <int N>
 void MatVecN(const Fp8MatrixView& w, const float* x, int64_t x_stride, int64_t m_begin,
              int64_t m_end, float* y, int64_t y_stride, int64_t prefetch_bytes) {
+  // Rows per tile: 2 x N x 2 block accumulators plus N totals per row must fit in 16 ymm
+  // registers next to the codes, their conversions and the constants.
   constexpr int R = N <= 2 ? 2 : 1;
   TileArgs a{};
   a.row_stride = w.row_stride;
@@ -145,6 +198,7 @@ void MatVecN(const Fp8MatrixView& w, const float* x, int64_t x_stride, int64_t m
   a.x_stride = x_stride;
   a.y_stride = y_stride;
   a.pf_end = prefetch_bytes >= 0 ? w.data + m_end * w.row_stride : nullptr;
+  const int64_t pf = prefetch_bytes > 0 ? prefetch_bytes : 0;
   for (int64_t m = m_begin; m < m_end;) {
     const int64_t block_end = (m / kScaleBlock + 1) * kScaleBlock;
     const int64_t tile_end = block_end < m_end ? block_end : m_end;
@@ -152,16 +206,22 @@ void MatVecN(const Fp8MatrixView& w, const float* x, int64_t x_stride, int64_t m
     for (; m + R <= tile_end; m += R) {
       a.w = w.data + m * w.row_stride;
       a.y = y + (m - m_begin);
-      a.pf = a.w + R * w.row_stride + (prefetch_bytes > 0 ? prefetch_bytes : 0);
+      a.pf = a.w + R * w.row_stride + pf;
       Tile<R, N>(a);
     }
     for (; m < tile_end; ++m) {
       a.w = w.data + m * w.row_stride;
       a.y = y + (m - m_begin);
-      a.pf = a.w + w.row_stride + (prefetch_bytes > 0 ? prefetch_bytes : 0);
+      a.pf = a.w + w.row_stride + pf;
       Tile<1, N>(a);
     }
   }
+}
+
+// Position of column j (0..31) of a 32-column chunk in the packed activation.
+constexpr int64_t PackedPosition(int64_t j) {
+  const int64_t q = j % 16;
+  return (j / 16) * 16 + (q % 2) * 8 + q / 2;
 }
 
 class Avx2Fp8Gemv final : public Fp8Gemv {
@@ -183,12 +243,13 @@ class Avx2Fp8Gemv final : public Fp8Gemv {
   void Pack(const float* x, int64_t k, int64_t k_begin, int64_t k_end,
             std::byte* packed) const override {
     float* out = reinterpret_cast<float*>(packed);
+    // k_begin is a multiple of 64: whole 32-column chunks are permuted within themselves.
     for (int64_t i = k_begin; i < k_end; ++i) {
-      out[i] = FromBf16(ToBf16(x[i - k_begin]));
+      out[i - i % 32 + PackedPosition(i % 32)] = FromBf16(ToBf16(x[i - k_begin]));
     }
     if (k_end == k) {
       const int64_t padded = (k + kPackGroup - 1) / kPackGroup * kPackGroup;
-      for (int64_t i = k; i < padded; ++i) out[i] = 0.0f;
+      for (int64_t i = k; i < padded; ++i) out[i - i % 32 + PackedPosition(i % 32)] = 0.0f;
       std::memset(packed + padded * 4, 0, PackedBytes(k) - padded * 4);
     }
   }
@@ -229,3 +290,6 @@ class Avx2Fp8Gemv final : public Fp8Gemv {
 Fp8Gemv* NewAvx2Fp8Gemv(int64_t prefetch_bytes) { return new Avx2Fp8Gemv(prefetch_bytes); }
 
 }  // namespace hmoe::cpu::internal
+
+#undef HMOE_AVX2_INLINE
+#undef HMOE_UNROLL
