@@ -18,6 +18,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -251,6 +252,47 @@ TEST(Fp8GemmTest, All256CodesAndNaN) {
       for (int64_t r = 0; r < rows; ++r) ASSERT_TRUE(std::isnan(y[t * rows + r])) << t << " " << r;
     }
   }
+}
+
+// Where Fp8GemmMatchesGemv says so, the GEMM's results are bitwise the GEMV's (MatVec for up to
+// kMaxMatVecTokens tokens, GemmRows beyond): every k % 128 class (0, < 64, 64, > 64), ragged rows,
+// row ranges off the scale blocks, and token counts across the GEMM's tiles.
+TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
+  const struct {
+    int64_t rows, cols, m;
+  } kShapes[] = {{7, 128, 5},     {130, 200, 9}, {257, 129, 13},    {64, 192, 4},
+                 {300, 1000, 33}, {50, 64, 1},   {129, 7 * 128, 40}};
+  int checked = 0;
+  for (CpuIsa isa : SupportedIsas()) {
+    if (!Fp8GemmMatchesGemv(isa)) continue;
+    SCOPED_TRACE(std::string(CpuIsaName(isa)));
+    auto gemm = NewFp8Gemm(isa);
+    auto gemv = NewFp8Gemv(isa);
+    ASSERT_TRUE(gemm.ok() && gemv.ok());
+    for (const auto& s : kShapes) {
+      const Problem p = MakeProblem(s.rows, s.cols, s.m, static_cast<uint32_t>(s.cols + s.m));
+      const int64_t stride = (*gemv)->PackedBytes(s.cols);
+      Buffer xg = Allocate(stride * s.m);
+      for (int64_t t = 0; t < s.m; ++t) {
+        (*gemv)->Pack(p.x.data() + t * p.x_stride, s.cols, 0, s.cols, xg.get() + t * stride);
+      }
+      for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, s.rows}, {1, s.rows - 2}}) {
+        std::vector<float> want(s.m * s.rows), got(s.m * s.rows);
+        if (s.m <= kMaxMatVecTokens) {
+          (*gemv)->MatVec(p.View(), xg.get(), stride, static_cast<int>(s.m), r0, r1, want.data(),
+                          s.rows);
+        } else {
+          (*gemv)->GemmRows(p.View(), xg.get(), stride, s.m, r0, r1, want.data(), s.rows);
+        }
+        Buffer packed = PackTokens(**gemm, p, s.m, 1);
+        (*gemm)->Multiply(p.View(), packed.get(), s.m, r0, r1, got.data(), s.rows);
+        ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+            << s.rows << " x " << s.cols << ", m " << s.m << ", rows [" << r0 << ", " << r1 << ")";
+        ++checked;
+      }
+    }
+  }
+  if (checked == 0) GTEST_SKIP() << "no variant here claims GEMV-exact results";
 }
 
 TEST(Fp8GemmTest, ZeroTokensOrRowsIsANoOp) {

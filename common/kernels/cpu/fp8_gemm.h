@@ -11,21 +11,26 @@
 // block of a row is summed in F32 and scaled once ("post-scaling"); the blocks are summed in F32
 // in increasing kb. Products of an FP8 weight and a BF16 activation are exact in F32, so variants
 // (and the GEMV) differ only in the order of the F32 additions inside a block: |difference| <=
-// about 2 * 128 * 2^-24 * sum |w * x * s| (docs/kernels_cpu.md states the bound the tests use).
+// about (128 + ceil(k/128) + 1) * 2^-24 * sum |w * x * s| (the bound tests/kernels/fp8_gemm_test.cc
+// checks).
 //
-// Blocking (SIMD variants): the rows of one 128-row scale block form a panel; for each 128-column
-// block of the panel the FP8 weights are expanded once into an L1/L2-resident buffer (BF16 in
-// natural order for vdpbf16ps, F32 otherwise), then every tile of tokens (64 on AVX-512, 16 on
-// AVX2; its 128-column block of activations stays in L1) runs a register-blocked micro-kernel of
-// R rows x the tile's tokens: tokens lie in the vector lanes, each weight (pair) is broadcast.
-// The block's F32 sums are scaled and added into a per-panel F32 buffer [rows][tokens] that is
-// written to y transposed at the end of the panel.
-//
-// Variants: scalar (the portable fallback), AVX2+FMA+F16C (E4M3 -> F16 by integer shifts,
-// vcvtph2ps, F32 FMA, the 2^8 factor folded into the block scale), AVX-512 F/BW/VL/VBMI (BF16
-// expansion by vpermi2b, widened to F32, F32 FMA) and AVX-512 BF16 (vdpbf16ps). Chosen by
-// BestCpuIsa(), which honors HMOE_CPU_ISA. NaN codes (0x7F, 0xFF) decode to NaN in every variant.
-// The AVX-512 BF16 variant flushes BF16 activations below 2^-126 to zero (vdpbf16ps DAZ).
+// Variants and blocking:
+// - AVX-512 BF16 (vdpbf16ps) and AVX-512 F/BW/VL/VBMI (F32 FMA): for every token exactly the
+//   operations of the same Fp8Gemv variant, in the same order, so the results are bitwise the
+//   GEMV's (Fp8GemmMatchesGemv) and a token's result never depends on its batch. The activations
+//   are packed by that GEMV; a panel of up to 48 rows (one scale block at most, ~1 MiB) is
+//   expanded once into the GEMV's BF16 lane order in L2; micro-kernels of 3 rows x 4 tokens keep
+//   the expanded weight vectors in registers and run the whole K loop with 16-lane block sums and
+//   totals, then the GEMV's lane-sum tree.
+// - AVX2+FMA+F16C: E4M3 -> F16 by integer shifts, vcvtph2ps, F32 FMA, the 2^8 factor folded into
+//   the block scale. Tokens lie in the vector lanes (tiles of 16): for each 128-column block of a
+//   panel of rows (one scale block) the weights are expanded once into L1/L2 as F32, every token
+//   tile (its block of activations in L1) runs an R rows x 16 tokens micro-kernel that broadcasts
+//   each weight, and the block sums are scaled into a per-panel F32 buffer written to y
+//   transposed. Same numerics contract, different summation order than the AVX2 GEMV.
+// - scalar: the portable fallback.
+// Chosen by BestCpuIsa(), which honors HMOE_CPU_ISA. NaN codes (0x7F, 0xFF) decode to NaN in every
+// variant. The AVX-512 BF16 variant flushes BF16 activations below 2^-126 to zero (vdpbf16ps DAZ).
 //
 // Kernels never start threads: callers pack once, then split the rows [0, rows) into ranges and
 // call Multiply on each range from their own threads (ranges starting on multiples of 128 rows
@@ -62,14 +67,14 @@ class Fp8Gemm {
                     int64_t t_end, std::byte* packed) const = 0;
 
   // y[t * y_stride + (r - r_begin)] = (W x_t)[r] for t in [0, m) and r in [r_begin, r_end), from
-  // the m tokens packed for w.cols columns. Thread-safe; uses a per-thread scratch buffer of
-  // about 64 KiB + 512 * m bytes.
+  // the m tokens packed for w.cols columns. Thread-safe; uses a per-thread scratch buffer
+  // (ScratchBytes: about 1 MiB on AVX-512, 64 KiB + 512 * m bytes on AVX2).
   void Multiply(const Fp8MatrixView& w, const std::byte* packed, int64_t m, int64_t r_begin,
                 int64_t r_end, float* y, int64_t y_stride) const;
 
-  // Scratch bytes Run needs for m tokens.
-  virtual int64_t ScratchBytes(int64_t m) const = 0;
-  // Multiply with the caller's 64-byte aligned scratch of ScratchBytes(m) bytes.
+  // Scratch bytes Run needs for m tokens of length k.
+  virtual int64_t ScratchBytes(int64_t m, int64_t k) const = 0;
+  // Multiply with the caller's 64-byte aligned scratch of ScratchBytes(m, w.cols) bytes.
   virtual void Run(const Fp8MatrixView& w, const std::byte* packed, int64_t m, int64_t r_begin,
                    int64_t r_end, float* y, int64_t y_stride, std::byte* scratch) const = 0;
 
@@ -81,9 +86,18 @@ class Fp8Gemm {
 absl::StatusOr<std::unique_ptr<Fp8Gemm>> NewFp8Gemm(CpuIsa isa);
 // The variant for BestCpuIsa(). Never null; the instance lives forever.
 const Fp8Gemm& DefaultFp8Gemm();
+// The variant for `isa` (which this CPU must support: checked); the instance lives forever.
+const Fp8Gemm& Fp8GemmForIsa(CpuIsa isa);
 
 // Fewest tokens for which Fp8Gemm beats Fp8Gemv::MatVec/GemmRows on the same rows, per variant
-// (measured with hmoe_kernels_bench's GEMM section, docs/PERFORMANCE.md).
+// (measured with hmoe_gemm_bench, docs/PERFORMANCE.md); INT64_MAX for the scalar variant.
 int64_t Fp8GemmMinTokens(CpuIsa isa);
+
+// Whether the `isa` variant of Fp8Gemm gives bitwise the results of the same variant of Fp8Gemv
+// (MatVec / GemmRows) for every token. The engine relies on a token's result not depending on
+// the batch it is computed in (SLP vs resident, DSLP ranks vs one process, a sequence alone or
+// batched: docs/decode_worker.md), so CpuDevice only switches to the GEMM by default where this
+// holds: the AVX-512 variants (the AVX2 one sums in another order).
+bool Fp8GemmMatchesGemv(CpuIsa isa);
 
 }  // namespace hmoe::cpu

@@ -5,5 +5,5 @@
 #include "common/kernels/cpu/fp8_gemm_internal.h"
 
 namespace hmoe::cpu::internal {
-Fp8Gemm* NewAvx2Fp8Gemm() { return new SimdFp8Gemm(); }
+Fp8Gemm* NewAvx2Fp8Gemm(const Fp8Gemv* gemv) { return new SimdFp8Gemm(gemv); }
 }  // namespace hmoe::cpu::internal

@@ -5,11 +5,13 @@
 // return an owning raw pointer for the reason given in fp8_gemv_internal.h.
 
 #include "common/kernels/cpu/fp8_gemm.h"
+#include "common/kernels/cpu/fp8_gemv.h"
 
 namespace hmoe::cpu::internal {
 
-Fp8Gemm* NewAvx2Fp8Gemm();
-Fp8Gemm* NewAvx512Fp8Gemm();
-Fp8Gemm* NewAvx512Bf16Fp8Gemm();
+// `gemv`: the Fp8Gemv of the same ISA (not owned; must outlive the result).
+Fp8Gemm* NewAvx2Fp8Gemm(const Fp8Gemv* gemv);
+Fp8Gemm* NewAvx512Fp8Gemm(const Fp8Gemv* gemv);
+Fp8Gemm* NewAvx512Bf16Fp8Gemm(const Fp8Gemv* gemv);
 
 }  // namespace hmoe::cpu::internal
