@@ -223,6 +223,11 @@ class CpuDevice final : public Device {
         pool_(options.pool) {
     kernels_.fp8 = options.fp8_gemv != nullptr ? options.fp8_gemv : &cpu::DefaultFp8Gemv();
     kernels_.bf16 = &cpu::DefaultBf16Gemv();
+    kernels_.gemm = &cpu::Fp8GemmForIsa(kernels_.fp8->isa());
+    const cpu::CpuIsa isa = kernels_.fp8->isa();
+    kernels_.gemm_min_tokens = options.fp8_gemm_min_tokens >= 0 ? options.fp8_gemm_min_tokens
+                               : cpu::Fp8GemmMatchesGemv(isa)   ? cpu::Fp8GemmMinTokens(isa)
+                                                                : INT64_MAX;
   }
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
@@ -293,6 +298,10 @@ class CpuDevice final : public Device {
                        y_stride, ") for [", w.rows, ", ", w.cols, "]"));
     }
     if (n == 0) return absl::OkStatus();
+    if (w.dtype == DType::kF8E4M3 && n >= kernels_.gemm_min_tokens) {
+      LinearFp8Gemm(w, x, x_stride, n, y, y_stride);
+      return absl::OkStatus();
+    }
     const int64_t packed_stride = internal::PackedRowBytes(kernels_, w);
     std::byte* packed = nullptr;
     if (packed_stride > 0) {
@@ -568,6 +577,26 @@ class CpuDevice final : public Device {
     if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy: null pointer");
     std::memcpy(dst, src, bytes);
     return absl::OkStatus();
+  }
+
+  // Linear for many tokens on the FP8 GEMM: the activations packed once (token tiles split over
+  // the threads), then the rows split over the threads in multiples of 16.
+  void LinearFp8Gemm(const LinearWeight& w, const float* x, int64_t x_stride, int64_t n, float* y,
+                     int64_t y_stride) {
+    const cpu::Fp8Gemm& gemm = *kernels_.gemm;
+    std::byte* packed = pack_scratch_.Get(static_cast<size_t>(gemm.PackedBytes(n, w.cols)));
+    const int64_t tile = gemm.TokenTile();
+    const int64_t tiles = (n + tile - 1) / tile;
+    ParallelRange(tiles, tiles > 1, [&](int64_t i0, int64_t i1) {
+      gemm.Pack(x, x_stride, n, w.cols, i0 * tile, std::min(n, i1 * tile), packed);
+    });
+    const cpu::Fp8MatrixView view = internal::Fp8View(w);
+    const int64_t units = (w.rows + 15) / 16;
+    Parallel([&](int thread, int threads) {
+      const int64_t m0 = std::min(w.rows, units * thread / threads * 16);
+      const int64_t m1 = std::min(w.rows, units * (thread + 1) / threads * 16);
+      gemm.Multiply(view, packed, n, m0, m1, y + m0, y_stride);
+    });
   }
 
   // job(thread, num_threads) on every pool thread (serialized with other drivers of the pool).

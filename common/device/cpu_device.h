@@ -35,6 +35,12 @@ struct CpuDeviceOptions {
   CpuWorkerPool* pool = nullptr;
   // FP8 kernels; null: cpu::DefaultFp8Gemv().
   const cpu::Fp8Gemv* fp8_gemv = nullptr;
+  // FP8 linear layers of at least this many tokens (prefill chunks, grouped experts) run on the
+  // Fp8Gemm of fp8_gemv's ISA instead of the GEMV; INT64_MAX: never; -1 (default):
+  // cpu::Fp8GemmMinTokens(isa), the measured crossover, where cpu::Fp8GemmMatchesGemv(isa), else
+  // never (a token's result must not depend on its batch; see fp8_gemm.h). Setting it otherwise
+  // trades that bitwise batch-invariance for speed (results still agree to F32 rounding).
+  int64_t fp8_gemm_min_tokens = -1;
 };
 
 // Never fails.

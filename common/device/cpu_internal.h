@@ -12,6 +12,7 @@
 
 #include "common/device/device.h"
 #include "common/kernels/cpu/bf16_gemv.h"
+#include "common/kernels/cpu/fp8_gemm.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 
 namespace hmoe::internal {
@@ -20,6 +21,9 @@ namespace hmoe::internal {
 struct CpuKernels {
   const cpu::Fp8Gemv* fp8 = nullptr;
   const cpu::Bf16Gemv* bf16 = nullptr;
+  // FP8 products of at least gemm_min_tokens tokens run on `gemm` (same ISA as `fp8`).
+  const cpu::Fp8Gemm* gemm = nullptr;
+  int64_t gemm_min_tokens = INT64_MAX;
 };
 
 // Runs job(thread, num_threads) on every thread of the device's pool (or on the caller alone).

@@ -11,6 +11,9 @@
 //   HMOE_BENCH_MODEL=/work/main/out/real-shaped decode_bench   (or --model=DIR)
 //   decode_bench --model=DIR --prefill=4096 --benchmark_filter=Prefill   (prefill timing, e.g. on
 //   the `small` checkpoint)
+//   decode_bench --model=DIR --prefill=512 --step-tokens=512 --benchmark_filter=Prefill
+//     (one 512-token chunk; --gemm-min-tokens=N sets CpuDeviceOptions::fp8_gemm_min_tokens, e.g.
+//     a huge N for the GEMV-only baseline in the same binary)
 //
 // Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
 // --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark
@@ -48,6 +51,8 @@ namespace {
 std::string g_model_dir;
 bool g_in_place = false;
 int g_steps = 24;
+int64_t g_step_tokens = 64;      // EngineOptions::max_step_tokens
+int64_t g_gemm_min_tokens = -1;  // CpuDeviceOptions::fp8_gemm_min_tokens
 
 // Every tensor of a WeightSource copied into one huge-page buffer (as weightd lays them out).
 class HugePageWeights final : public WeightSource {
@@ -149,6 +154,7 @@ Engine& EngineForThreads(int threads) {
     CpuWorkerPool& pool = bench::PoolForThreads(threads);
     CpuDeviceOptions device_options;
     device_options.pool = &pool;
+    device_options.fp8_gemm_min_tokens = g_gemm_min_tokens;
     s.devices[threads] = NewCpuDevice(device_options);
     const WeightSource& source =
         s.copy != nullptr ? static_cast<const WeightSource&>(*s.copy) : *s.checkpoint;
@@ -159,7 +165,7 @@ Engine& EngineForThreads(int threads) {
     HMOE_CHECK_OK(weights.status());
     s.weights[threads] = std::move(*weights);
     EngineOptions options;
-    options.max_step_tokens = 64;
+    options.max_step_tokens = g_step_tokens;
     auto engine = Engine::Create(s.checkpoint->config(), *s.weights[threads], *s.devices[threads],
                                  pool, options);
     HMOE_CHECK_OK(engine.status());
@@ -406,6 +412,10 @@ int main(int argc, char** argv) {
       prefill_lengths.push_back(std::atoll(arg.c_str() + 10));
     } else if (arg.rfind("--steps=", 0) == 0) {
       hmoe::g_steps = std::atoi(arg.c_str() + 8);
+    } else if (arg.rfind("--step-tokens=", 0) == 0) {
+      hmoe::g_step_tokens = std::atoll(arg.c_str() + 14);
+    } else if (arg.rfind("--gemm-min-tokens=", 0) == 0) {
+      hmoe::g_gemm_min_tokens = std::atoll(arg.c_str() + 18);
     } else {
       rest.push_back(argv[i]);
     }
@@ -443,12 +453,14 @@ int main(int argc, char** argv) {
     }
   }
   for (int64_t length : prefill_lengths) {
-    benchmark::RegisterBenchmark("BM_Prefill", hmoe::BM_Prefill)
-        ->Args({2, length})
-        ->ArgNames({"threads", "tokens"})
-        ->Iterations(1)
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond);
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark("BM_Prefill", hmoe::BM_Prefill)
+          ->Args({threads, length})
+          ->ArgNames({"threads", "tokens"})
+          ->Iterations(1)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
   }
   int rest_argc = static_cast<int>(rest.size());
   benchmark::Initialize(&rest_argc, rest.data());

@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -207,8 +208,10 @@ struct LinearCase {
 TEST_P(DeviceTest, LinearMatchesScalarReference) {
   for (const LinearCase& c :
        {LinearCase{DType::kF8E4M3, 300, 520, 1}, LinearCase{DType::kF8E4M3, 129, 64, 5},
-        LinearCase{DType::kF8E4M3, 256, 384, 19}, LinearCase{DType::kBF16, 77, 100, 3},
-        LinearCase{DType::kBF16, 160, 256, 12}, LinearCase{DType::kF32, 50, 33, 9}}) {
+        LinearCase{DType::kF8E4M3, 256, 384, 19}, LinearCase{DType::kF8E4M3, 300, 520, 100},
+        LinearCase{DType::kF8E4M3, 129, 200, 16}, LinearCase{DType::kF8E4M3, 70, 130, 65},
+        LinearCase{DType::kBF16, 77, 100, 3}, LinearCase{DType::kBF16, 160, 256, 12},
+        LinearCase{DType::kF32, 50, 33, 9}}) {
     SCOPED_TRACE(std::string(DTypeName(c.dtype)) + " " + std::to_string(c.rows) + "x" +
                  std::to_string(c.cols) + " n=" + std::to_string(c.n));
     const HostWeight hw = MakeWeight(c.dtype, c.rows, c.cols, 3);
@@ -817,6 +820,45 @@ TEST_P(DeviceTest, RingBufferRespectsTheDeviceBudget) {
             absl::StatusCode::kResourceExhausted);
   auto ring = DeviceRingBuffer::Create(**device, 2048, 2);
   EXPECT_TRUE(ring.ok()) << ring.status();
+}
+
+// CpuDeviceOptions::fp8_gemm_min_tokens sends FP8 Linear calls of that many tokens to cpu::Fp8Gemm:
+// the same reference and tolerance as the GEMV path (rows split over the test pool's threads).
+TEST(CpuDeviceTest, Fp8GemmPathMatchesTheReference) {
+  CpuDeviceOptions options;
+  options.pool = &Pool();
+  options.fp8_gemm_min_tokens = 2;
+  auto device = NewCpuDevice(options);
+  auto stream = device->CreateStream();
+  ASSERT_TRUE(stream.ok());
+  for (const auto& [rows, cols, n] :
+       {std::tuple<int64_t, int64_t, int64_t>{300, 520, 100}, {129, 200, 16}, {70, 130, 2}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " n=" + std::to_string(n));
+    const HostWeight hw = MakeWeight(DType::kF8E4M3, rows, cols, 5);
+    LinearWeight w;
+    w.dtype = DType::kF8E4M3;
+    w.data = hw.bytes.data();
+    w.rows = rows;
+    w.cols = cols;
+    w.row_stride = cols;
+    w.scale_inv = hw.scales.data();
+    w.scale_stride = (cols + 127) / 128;
+    const int64_t x_stride = cols + 3, y_stride = rows + 1;
+    const std::vector<float> x = RandomFloats(n * x_stride, 6);
+    std::vector<float> y(n * y_stride);
+    ASSERT_TRUE(device->Linear(**stream, w, x.data(), x_stride, n, y.data(), y_stride).ok());
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t r = 0; r < rows; ++r) {
+        double want = 0, mag = 0;
+        for (int64_t k = 0; k < cols; ++k) {
+          const float xv = Bf16Round(x[t * x_stride + k]);
+          want += static_cast<double>(hw.dense[r * cols + k]) * xv;
+          mag += std::abs(static_cast<double>(hw.dense[r * cols + k]) * xv);
+        }
+        ASSERT_NEAR(y[t * y_stride + r], want, 1e-5 * mag + 1e-7) << "t " << t << " r " << r;
+      }
+    }
+  }
 }
 
 TEST(CpuDeviceTest, CopyBandwidthCapDelaysCopiesToTheDevice) {

@@ -1,0 +1,262 @@
+// FP8 GEMM (issue #15): Fp8Gemm against the GEMV's GemmRows on the same rows, for M tokens, with
+// every case given as a fraction of a register-only peak of its instruction mix measured in the
+// same run (vdpbf16ps for the AVX-512 BF16 variant, F32 FMA on zmm / ymm for the others).
+// FLOPs are 2 per weight multiply applied (rows * cols * M * 2). Weights are one matrix reused
+// across iterations (a compute-bound kernel from 16 tokens on; the GEMV's cold-weight speed is
+// hmoe_kernels_bench's subject).
+//
+//   hmoe_gemm_bench [--benchmark_filter=...]       (HMOE_CPU_ISA=avx2 forces a variant)
+//   smoke: hmoe_gemm_bench --benchmark_filter='expert_gate/m:64/threads:1'
+//   --benchmark_min_time=0.01
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+
+// GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include "absl/strings/str_cat.h"
+
+#include "common/base/logging.h"
+#include "common/kernels/cpu/fp8_gemm.h"
+#include "common/kernels/cpu/fp8_gemv.h"
+#include "tests/bench/bench_util.h"
+
+namespace hmoe::bench {
+namespace {
+
+using cpu::CpuIsa;
+
+// ----------------------------------------------------------------------- register-only peaks
+
+constexpr int64_t kPeakIters = 1 << 20;
+
+// 16 independent vdpbf16ps chains (latency hidden on any core with <= 8 cycles x 2 ports).
+__attribute__((target("avx512f,avx512bf16"), noinline)) float PeakDpbf16(int64_t iters) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]));
+  }
+  float s = 0;
+  for (int i = 0; i < 16; ++i) s += _mm512_cvtss_f32(acc[i]);
+  return s;
+}
+
+__attribute__((target("avx512f"), noinline)) float PeakFma512(int64_t iters) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-7f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+    __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]));
+  }
+  float s = 0;
+  for (int i = 0; i < 16; ++i) s += _mm512_cvtss_f32(acc[i]);
+  return s;
+}
+
+__attribute__((target("avx2,fma"), noinline)) float PeakFma256(int64_t iters) {
+  __m256 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+  const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-7f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+    __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]));
+  }
+  float s = 0;
+  for (int i = 0; i < 12; ++i) s += _mm256_cvtss_f32(acc[i]);
+  return s;
+}
+
+volatile float g_sink = 0;
+
+// CPU time of the calling thread, in seconds: on a shared machine, the compute rate of a core while
+// it ran (wall-clock rates also count the time other processes held it).
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// GFLOP/s of one core for the instruction mix `isa`'s GEMM uses (2 FLOPs per multiply).
+double PeakGflops(CpuIsa isa) {
+  // The best of 3 runs, timed by the thread's CPU clock (see ThreadCpuSeconds).
+  auto timed = [](auto fn, double flops_per_iter) {
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const double t0 = ThreadCpuSeconds();
+      g_sink = g_sink + fn(kPeakIters);
+      best = std::max(best, flops_per_iter * kPeakIters / (ThreadCpuSeconds() - t0) * 1e-9);
+    }
+    return best;
+  };
+  switch (isa) {
+    case CpuIsa::kAvx512Bf16:
+      return timed(PeakDpbf16, 16 * 64.0);  // 16 lanes x 2 pairs x 2 FLOPs
+    case CpuIsa::kAvx512:
+      return timed(PeakFma512, 16 * 32.0);
+    case CpuIsa::kAvx2:
+      return timed(PeakFma256, 12 * 16.0);
+    default:
+      return 0;
+  }
+}
+
+// ----------------------------------------------------------------------- cases
+
+struct Shape {
+  int64_t rows, cols;
+  const char* name;
+};
+
+constexpr Shape kShapes[] = {
+    {2048, 7168, "expert_gate"},  // routed expert gate/up
+    {7168, 2048, "expert_down"}, {1536, 7168, "q_a"},        {24576, 1536, "q_b"},
+    {7168, 16384, "o_proj"},     {256, 1024, "l2_resident"},  // weights stay in L2: the kernel
+                                                              // without memory stalls
+};
+
+struct Matrix {
+  std::vector<uint8_t> w;
+  std::vector<float> scales;
+  cpu::Fp8MatrixView view;
+};
+
+Matrix MakeMatrix(const Shape& s) {
+  Matrix m;
+  m.w.resize(s.rows * s.cols);
+  FillRandomFp8(reinterpret_cast<std::byte*>(m.w.data()), m.w.size(), 7);
+  m.scales.assign(((s.rows + 127) / 128) * ((s.cols + 127) / 128), 1e-3f);
+  m.view = cpu::Fp8MatrixView::Dense(m.w.data(), m.scales.data(), s.rows, s.cols);
+  return m;
+}
+
+struct AlignedFree {
+  void operator()(std::byte* p) const { std::free(p); }
+};
+
+// kind 0: Fp8Gemm; 1: the GEMV's GemmRows (MatVec for m <= 8).
+void BM_Gemm(benchmark::State& state, Shape shape, int kind) {
+  const int64_t m = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  CpuWorkerPool& pool = PoolForThreads(threads);
+  const Matrix w = MakeMatrix(shape);
+  std::vector<float> x(m * shape.cols);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  for (float& v : x) v = dist(rng);
+  std::vector<float> y(m * shape.rows);
+  const cpu::Fp8Gemm& gemm = cpu::DefaultFp8Gemm();
+  const cpu::Fp8Gemv& gemv = cpu::DefaultFp8Gemv();
+  const int64_t packed_stride = gemv.PackedBytes(shape.cols);
+  const int64_t packed_bytes = kind == 0 ? gemm.PackedBytes(m, shape.cols) : packed_stride * m;
+  std::unique_ptr<std::byte, AlignedFree> packed(
+      static_cast<std::byte*>(std::aligned_alloc(64, (packed_bytes + 63) / 64 * 64)));
+  const int64_t tiles = (m + gemm.TokenTile() - 1) / gemm.TokenTile();
+  // The peak measured right before and after the case (the better of the two): on a shared
+  // machine the core's speed drifts with its neighbours' load.
+  double peak_per_core = PeakGflops(kind == 0 ? gemm.isa() : gemv.isa());
+  double seconds = 0;
+  std::vector<double> cpu_seconds(threads);  // per thread, summed over iterations
+  for (auto _ : state) {
+    seconds += TimedRun(pool, [&](int t) {
+      if (kind == 0) {
+        const int64_t t0 = tiles * t / threads * gemm.TokenTile();
+        const int64_t t1 = std::min(m, tiles * (t + 1) / threads * gemm.TokenTile());
+        if (t0 < t1) gemm.Pack(x.data(), shape.cols, m, shape.cols, t0, t1, packed.get());
+      } else {
+        for (int64_t i = m * t / threads; i < m * (t + 1) / threads; ++i) {
+          gemv.Pack(x.data() + i * shape.cols, shape.cols, 0, shape.cols,
+                    packed.get() + i * packed_stride);
+        }
+      }
+    });
+    seconds += TimedRun(pool, [&](int t) {
+      const double c0 = ThreadCpuSeconds();
+      int64_t r0, r1;
+      SplitRows(shape.rows, t, threads, &r0, &r1);
+      if (kind == 0) {
+        gemm.Multiply(w.view, packed.get(), m, r0, r1, y.data() + r0, shape.rows);
+      } else if (m <= cpu::kMaxMatVecTokens) {
+        gemv.MatVec(w.view, packed.get(), packed_stride, static_cast<int>(m), r0, r1, y.data() + r0,
+                    shape.rows);
+      } else {
+        gemv.GemmRows(w.view, packed.get(), packed_stride, m, r0, r1, y.data() + r0, shape.rows);
+      }
+      cpu_seconds[t] += ThreadCpuSeconds() - c0;
+    });
+  }
+  const double flops = 2.0 * shape.rows * shape.cols * m * state.iterations();
+  const CpuIsa isa = kind == 0 ? gemm.isa() : gemv.isa();
+  state.counters["gflops"] = flops / seconds * 1e-9;
+  state.counters["tok_per_s"] = m * state.iterations() / seconds;
+  peak_per_core = std::max(peak_per_core, PeakGflops(isa));
+  const double peak = peak_per_core * threads;
+  state.counters["peak_gflops"] = peak;
+  state.counters["peak_frac"] = peak > 0 ? flops / seconds * 1e-9 / peak : 0;
+  // The multiply alone per core-second of CPU time (the slowest thread), against the CPU-time peak.
+  const double cpu = *std::max_element(cpu_seconds.begin(), cpu_seconds.end());
+  state.counters["cpu_peak_frac"] = peak > 0 ? flops / cpu * 1e-9 / peak : 0;
+  state.SetLabel(absl::StrCat(kind == 0 ? "gemm " : "gemv ", std::string(cpu::CpuIsaName(isa))));
+}
+
+void BM_Peak(benchmark::State& state, CpuIsa isa) {
+  for (auto _ : state) state.counters["gflops_per_core"] = PeakGflops(isa);
+  state.SetLabel(std::string(cpu::CpuIsaName(isa)));
+}
+
+void Register() {
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+    if (!cpu::CpuSupports(isa)) continue;
+    benchmark::RegisterBenchmark(
+        absl::StrCat("BM_Peak/", std::string(cpu::CpuIsaName(isa))).c_str(), BM_Peak, isa)
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const Shape& s : kShapes) {
+    for (int kind : {0, 1}) {
+      auto* b = benchmark::RegisterBenchmark(
+          absl::StrCat("BM_", kind == 0 ? "Fp8Gemm/" : "Fp8GemvRows/", s.name).c_str(), BM_Gemm, s,
+          kind);
+      b->ArgNames({"m", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
+      for (int threads : {1, 2}) {
+        for (int64_t m : {1, 4, 8, 12, 16, 24, 32, 64, 128, 512}) b->Args({m, threads});
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hmoe::bench
+
+int main(int argc, char** argv) {
+  hmoe::bench::Register();
+  benchmark::Initialize(&argc, argv);
+  std::fprintf(stderr, "cpu variant: gemm %s, gemv %s\n",
+               std::string(hmoe::cpu::CpuIsaName(hmoe::cpu::DefaultFp8Gemm().isa())).c_str(),
+               std::string(hmoe::cpu::CpuIsaName(hmoe::cpu::DefaultFp8Gemv().isa())).c_str());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
