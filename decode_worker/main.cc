@@ -224,6 +224,7 @@ int Run() {
       r.running = s.running;
       r.waiting = s.waiting;
       r.batch_size = sched->options().batch_size;
+      r.max_waiting = sched->options().max_waiting;
       r.kv_blocks_free = s.kv_blocks_free;
       r.kv_blocks_total = s.kv_blocks_total;
       r.tokens_per_second = s.tokens_per_second;

@@ -39,6 +39,12 @@ struct Scheduler::Active {
   std::unique_ptr<StepSequence> sequence;
   // Prompt tokens whose KV is in the cache.
   int64_t prompt_done = 0;
+  // While prefilling: the request's turn for a step's first prompt chunk (lowest first, ties to
+  // the older request). Joining the batch once s steps have run gives s - 1; taking a chunk in
+  // step s (counted from 0) gives s + 1. So a prompt that joins goes before one that had the last
+  // step's chunk, and prompts that wait take turns with it (round robin): a long prompt delays a
+  // short one by at most one chunk, and gets at least every second step's first chunk itself.
+  int64_t chunk_turn = 0;
   // Past the prompt: the token the next step feeds (the last one sampled).
   int32_t next_input = -1;
   bool cancel = false;
@@ -353,6 +359,7 @@ void Scheduler::AdmitWaiting() {
         a.next_input = a.request.first_token;
       }
     }
+    a.chunk_turn = local_.steps - 1;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
     absl::MutexLock lock(&mu_);
@@ -364,38 +371,56 @@ bool Scheduler::RunOneStep() {
   std::vector<StepInput> inputs;
   std::vector<Active*> owners;
   std::vector<int64_t> prefill_tokens;  // per input; 0 for a decode token
-  // Prompt tokens this step may still take: whole chunks of the prefilling requests, oldest
-  // first, while they fit in one chunk's worth, the count allows and (beyond the first) the
-  // packing policy takes them; the first not taken ends the packing (FIFO: no younger prompt
-  // overtakes it). A request's chunks are always the next chunk_size tokens of its own prompt,
-  // whatever else shares the step.
+  // Prompt tokens this step may still take: whole chunks of the prefilling requests, while they
+  // fit in one chunk's worth, the count allows and (beyond the first) the packing policy takes
+  // them; the first not taken ends the packing. The first chunk is the turn of the prefilling
+  // request that has waited longest for one (Active::chunk_turn: round robin, so a short prompt
+  // is not held behind every chunk of a long one); the rest follow oldest first. A request's
+  // chunks are always the next chunk_size tokens of its own prompt, whatever else shares the step.
   int64_t prefill_budget = options_.chunk_size;
-  bool prefill_closed = false;
   int64_t decoding = 0;  // sequences of the step that decode one token
   for (const auto& ap : running_) decoding += !ap->finished && !ap->prefilling();
-  int64_t prefills = 0;  // chunks taken so far
   // The fit as of the last step (RunOneStep refreshes local_.step_cost after every step).
   const std::optional<StepCost>& cost =
       options_.fixed_step_cost.has_value() ? options_.fixed_step_cost : local_.step_cost;
+  std::vector<Active*> candidates;
+  for (const auto& ap : running_) {
+    if (ap->finished || !ap->prefilling()) continue;
+    candidates.push_back(ap.get());
+  }
+  if (!candidates.empty()) {
+    // Only the first chunk is by turn (the oldest of equal turns); the others keep the batch's
+    // (arrival) order.
+    auto first = std::min_element(
+        candidates.begin(), candidates.end(),
+        [](const Active* x, const Active* y) { return x->chunk_turn < y->chunk_turn; });
+    std::rotate(candidates.begin(), first, first + 1);
+  }
+  std::vector<std::pair<const Active*, int64_t>> chunks;  // taken: request, prompt tokens
+  for (Active* a : candidates) {
+    const int64_t remaining = a->request.prompt_tokens() - a->prompt_done;
+    const int64_t n = std::min(remaining, options_.chunk_size);
+    const int64_t prefills = static_cast<int64_t>(chunks.size());
+    const bool packs = prefills == 0 || options_.packing == PackingPolicy::kAlways ||
+                       (cost.has_value() && cost->WorthPacking(decoding + prefills, n));
+    if (n > prefill_budget || prefills == options_.prefills_per_step || !packs) break;
+    prefill_budget -= n;
+    if (prefills > 0) ++local_.packed_prefills;
+    a->chunk_turn = local_.steps + 1;
+    chunks.emplace_back(a, n);
+  }
   for (auto& ap : running_) {
     Active& a = *ap;
     if (a.finished) continue;
     if (a.prefilling()) {
-      if (prefill_closed) continue;
-      const int64_t remaining = a.request.prompt_tokens() - a.prompt_done;
-      const int64_t n = std::min(remaining, options_.chunk_size);
-      const bool packs = prefills == 0 || options_.packing == PackingPolicy::kAlways ||
-                         (cost.has_value() && cost->WorthPacking(decoding + prefills, n));
-      if (n > prefill_budget || prefills == options_.prefills_per_step || !packs) {
-        prefill_closed = true;
-        continue;
-      }
-      prefill_budget -= n;
-      if (prefills++ > 0) ++local_.packed_prefills;
+      auto it =
+          std::find_if(chunks.begin(), chunks.end(), [&](const auto& c) { return c.first == &a; });
+      if (it == chunks.end()) continue;
+      const int64_t n = it->second;
       StepInput in;
       in.sequence = a.sequence.get();
       in.tokens = std::span<const int32_t>(a.request.prompt).subspan(a.prompt_done, n);
-      in.want_logits = n == remaining;
+      in.want_logits = a.prompt_done + n == a.request.prompt_tokens();
       inputs.push_back(in);
       prefill_tokens.push_back(n);
     } else {

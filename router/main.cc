@@ -21,7 +21,6 @@
 #include "absl/time/clock.h"
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
 
 #include "common/base/flags.h"
 #include "common/base/logging.h"
@@ -29,6 +28,8 @@
 #include "common/model/tokenizer.h"
 #include "router/clock.h"
 #include "router/decode_client.h"
+#include "router/health_service.h"
+#include "router/parse_error_interceptor.h"
 #include "router/prefill_client.h"
 #include "router/registry_service.h"
 #include "router/router.h"
@@ -46,7 +47,9 @@ ABSL_FLAG(int, vocab_size, 0, "vocabulary size without --model");
 ABSL_FLAG(int, context_length, 0, "context length without --model (0: unchecked)");
 ABSL_FLAG(int, chunk_threshold, 2048, "prompts with fewer tokens take chunked prefill");
 ABSL_FLAG(int, decode_idle_window_s, 300, "DSLP only when decode was idle this long");
-ABSL_FLAG(int, max_inflight, 256, "requests in flight; RESOURCE_EXHAUSTED beyond");
+ABSL_FLAG(int, max_inflight, 256,
+          "requests in flight; RESOURCE_EXHAUSTED beyond (or beyond the room the live decode "
+          "workers advertise, when less)");
 ABSL_FLAG(int, max_prefill_queue, 64,
           "long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond");
 ABSL_FLAG(bool, cpu_devices_shared, true,
@@ -200,15 +203,25 @@ int main(int argc, char** argv) {
   hmoe::router::RouterService router_service(&router);
   hmoe::router::RegistryService registry_service(&registry);
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // Health answers from the registry on every call (router/health_service.h), not from a flag.
+  hmoe::router::HealthService health([&router] { return router.Serving(); });
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   int port = 0;
   grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default: a second router on the same port would start and share the
+  // connections. Binding exclusively makes a port in use an error at start-up.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(hmoe::router::NewParseErrorInterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   // Twice the request limit: requests in between get validation's INVALID_ARGUMENT naming the
   // limit; gRPC answers RESOURCE_EXHAUSTED beyond.
   builder.SetMaxReceiveMessageSize(2 * options.max_request_bytes);
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&router_service);
+  builder.RegisterService(&health);
   const std::string registry_socket = absl::GetFlag(FLAGS_registry_socket);
   std::unique_ptr<grpc::Server> registry_server;
   if (registry_socket.empty()) {
@@ -226,7 +239,8 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    HMOE_LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen);
+    HMOE_LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen)
+                    << ": the address is in use (another router?) or not local";
     return 1;
   }
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
@@ -236,7 +250,6 @@ int main(int argc, char** argv) {
       std::fclose(f);
     }
   }
-  server->GetHealthCheckService()->SetServingStatus(true);
   HMOE_LOG(INFO) << "SERVING on port " << port << " (vocab " << options.limits.vocab_size
                  << ", context " << options.limits.context_length
                  << (tokenizer != nullptr ? ", tokenizer" : ", no tokenizer") << ")";
@@ -244,8 +257,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   HMOE_LOG(INFO) << "signal " << sig << ": draining";
-  server->GetHealthCheckService()->SetServingStatus(false);
-  router.StartDraining();
+  router.StartDraining();  // health: NOT_SERVING from now on
   const absl::Time drain_end = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   while (router.inflight() > 0 && absl::Now() < drain_end) absl::SleepFor(absl::Milliseconds(20));
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));

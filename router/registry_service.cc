@@ -39,6 +39,7 @@ grpc::Status RegistryService::Heartbeat(grpc::ServerContext*, const rv1::Heartbe
   load.running = request->load().running();
   load.waiting = request->load().waiting();
   load.batch_size = request->load().batch_size();
+  load.max_waiting = request->load().max_waiting();
   load.kv_blocks_free = request->load().kv_blocks_free();
   load.kv_blocks_total = request->load().kv_blocks_total();
   load.tokens_per_second = request->load().tokens_per_second();

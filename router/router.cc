@@ -212,13 +212,23 @@ struct Router::Prefilled {
 
 namespace {
 
-// Worker failures that mean the worker (or the connection to it) is gone, as opposed to an answer
-// about the request. A call the router did not cancel that ends CANCELLED is a broken connection
-// too: gRPC reports a peer killed mid-stream that way on unix sockets. (A worker that cancels a
-// request itself ends the call OK with FINISH_REASON_CANCELLED.)
-bool IsWorkerDown(const absl::Status& s, bool cancelled_by_us) {
-  return absl::IsUnavailable(s) || absl::IsUnknown(s) || absl::IsInternal(s) ||
-         absl::IsAborted(s) || (absl::IsCancelled(s) && !cancelled_by_us);
+// A failed worker call that means the worker (or the connection to it) is gone, as opposed to an
+// answer about the request: UNAVAILABLE, or CANCELLED when nobody on the router's side cancelled
+// the call (gRPC reports a peer killed mid-stream that way on unix sockets; a worker that cancels
+// a request itself ends the call OK with FINISH_REASON_CANCELLED). The caller rules out the
+// router's own cancellations: the client's (cancel, disconnect), the Cancel RPC, the request's
+// deadline, and calls the router broke off itself. Only this marks a worker dead; rejections
+// (RESOURCE_EXHAUSTED), deadlines and other errors are answers from a live worker.
+bool IsConnectionLost(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsCancelled(s);
+}
+
+// Failures before the first token that another dispatch may fix: a lost connection, a worker's
+// internal failure (retried elsewhere without marking it dead) or a rejection (another worker
+// may have room).
+bool IsRetryable(const absl::Status& s) {
+  return IsConnectionLost(s) || absl::IsUnknown(s) || absl::IsInternal(s) || absl::IsAborted(s) ||
+         absl::IsResourceExhausted(s);
 }
 
 dv1::SamplingParams ToDecodeSampling(const v1::SamplingParams& s) {
@@ -278,23 +288,46 @@ void Router::StartDraining() {
   draining_ = true;
 }
 
+bool Router::Serving() const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) return false;
+  }
+  return !registry_->Live(WorkerKind::kDecode).empty();
+}
+
 int32_t Router::inflight() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int32_t>(inflight_.size());
 }
 
+int32_t Router::AdmissionLimit() const {
+  int64_t room = 0;
+  for (const WorkerView& w : registry_->Live(WorkerKind::kDecode)) {
+    // A worker that has not reported its capacity yet (no heartbeat since it registered, or an
+    // older worker): the limit is the router's own.
+    if (w.load.batch_size <= 0) return options_.max_inflight;
+    room += w.load.batch_size + std::max(w.load.max_waiting, 0);
+  }
+  if (room == 0) return options_.max_inflight;  // no live decode worker: Route says so
+  return static_cast<int32_t>(std::min<int64_t>(options_.max_inflight, room));
+}
+
 absl::Status Router::Admit(const std::string& request_id, GenerateSink* sink,
                            std::shared_ptr<Inflight>* out) {
+  const int32_t limit = AdmissionLimit();
   absl::MutexLock lock(&mu_);
   ++requests_total_;
   if (draining_) {
     ++requests_rejected_;
     return absl::UnavailableError("router is draining");
   }
-  if (static_cast<int32_t>(inflight_.size()) >= options_.max_inflight) {
+  if (static_cast<int32_t>(inflight_.size()) >= limit) {
     ++requests_rejected_;
-    return absl::ResourceExhaustedError(
-        absl::StrCat("router: ", options_.max_inflight, " requests in flight; retry later"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "router: ", limit, " requests in flight",
+        limit < options_.max_inflight ? " (the room the live decode workers advertise)" : "",
+        "; retry later"));
   }
   std::string id = request_id;
   if (id.empty()) id = absl::StrCat("req-", ++next_request_number_);
@@ -341,7 +374,8 @@ absl::Status Router::Cancel(const std::string& request_id) {
 
 absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind hint,
                                             bool dslp_allowed, int attempt, absl::Time deadline,
-                                            Inflight& inflight) {
+                                            Inflight& inflight,
+                                            const std::vector<std::string>& excluded) {
   // A retry waits for workers to come back (a restart takes about a second). So does a new request
   // while every known decode worker is dead (restarting); with none registered ever, it fails now.
   std::optional<absl::Time> wait_until;
@@ -350,6 +384,9 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
     in.prompt_tokens = prompt_tokens;
     in.hint = hint;
     in.decode_workers = registry_->Live(WorkerKind::kDecode);
+    std::erase_if(in.decode_workers, [&](const WorkerView& w) {
+      return std::find(excluded.begin(), excluded.end(), w.identity.worker_id) != excluded.end();
+    });
     if (prefill_clients_ != nullptr) in.prefill_workers = registry_->Live(WorkerKind::kPrefill);
     in.dslp_allowed = dslp_allowed;
     in.now = clock_->Now();
@@ -403,10 +440,26 @@ absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadl
   }
 
   absl::Status last_error;
+  // Decode workers that answered this request with an error; retries go elsewhere.
+  std::vector<std::string> excluded;
   for (int attempt = 0; attempt < options_.max_dispatch_attempts; ++attempt) {
+    if (!excluded.empty()) {
+      bool other = false;
+      for (const WorkerView& w : registry_->Live(WorkerKind::kDecode)) {
+        other = other ||
+                std::find(excluded.begin(), excluded.end(), w.identity.worker_id) == excluded.end();
+      }
+      if (!other) {
+        // Every live decode worker refused it: their answer is the request's (e.g.
+        // RESOURCE_EXHAUSTED when all are full).
+        absl::MutexLock lock(&mu_);
+        (absl::IsResourceExhausted(last_error) ? requests_rejected_ : requests_failed_)++;
+        return last_error;
+      }
+    }
     absl::StatusOr<RouteDecision> routed =
         Route(static_cast<int64_t>(req.prompt.size()), HintKind(proto.path_hint()),
-              req.dslp_allowed, attempt, deadline, *req.inflight);
+              req.dslp_allowed, attempt, deadline, *req.inflight, excluded);
     if (!routed.ok() && req.inflight->Cancelled()) return CancelledOutcome(req).status;
     if (!routed.ok()) {
       absl::MutexLock lock(&mu_);
@@ -428,6 +481,13 @@ absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadl
       return outcome.status;
     }
     last_error = outcome.status;
+    if (!outcome.exclude_worker.empty()) excluded.push_back(outcome.exclude_worker);
+  }
+  if (absl::IsResourceExhausted(last_error)) {
+    // The last worker tried had no room: say so, as every attempt ended in an answer.
+    absl::MutexLock lock(&mu_);
+    ++requests_rejected_;
+    return last_error;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -501,7 +561,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
         req.dslp_allowed = false;
         return {true, s};
       }
-      if (IsWorkerDown(s, /*cancelled_by_us=*/false) && absl::Now() < req.deadline) {
+      if (IsRetryable(s) && absl::Now() < req.deadline) {
         HMOE_LOG(WARNING) << "req=" << req.id << " prefill failed (" << s << "); retrying";
         return {true, s};
       }
@@ -548,6 +608,10 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
 
   dv1::AdmitResponse in;
   std::optional<dv1::Finished> finished;
+  // Whether the router broke the stream off itself (the client is gone, a stop string, the first
+  // token was a stop token). A stream that ended by itself is not cancelled: TryCancel before
+  // Finish would replace the worker's status (e.g. RESOURCE_EXHAUSTED) with CANCELLED.
+  bool broken_off = false;
   while (!finished.has_value() && stream->Read(&in)) {
     if (in.has_kv_imported()) {
       if (!prefilled.has_value()) continue;
@@ -562,14 +626,20 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
                     first) != req.proto->stop_token_ids().end();
       const bool go_on = is_stop || req.EmitToken(first);
       ReleaseHandoff(*prefilled, req.id);
-      if (!go_on) break;
+      if (!go_on) {
+        broken_off = true;
+        break;
+      }
     } else if (in.has_token()) {
-      if (!req.EmitToken(in.token().token_id())) break;
+      if (!req.EmitToken(in.token().token_id())) {
+        broken_off = true;
+        break;
+      }
     } else if (in.has_finished()) {
       finished = in.finished();
     }
   }
-  if (!finished.has_value()) stream->Cancel();
+  if (broken_off) stream->Cancel();
   const absl::Status status = stream->Finish();
   if (req.client_write_failed || req.inflight->ClientGone()) {
     return {false, absl::CancelledError("client cancelled")};
@@ -597,17 +667,26 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   } else {
     // The worker failed. Before any token the request can go elsewhere.
     // Not cancelled by the client or the Cancel RPC (handled above) nor by a stop string.
-    const bool worker_down = IsWorkerDown(status, /*cancelled_by_us=*/false);
-    if (worker_down) registry_->MarkDead(decode->identity.worker_id, decode->incarnation);
-    if (worker_down && req.tokens_streamed == 0 && absl::Now() < req.deadline) {
-      HMOE_LOG(WARNING) << "req=" << req.id << " decode worker " << decode->identity.worker_id
-                        << " failed before the first token (" << status << "); retrying";
-      return {true, status};
-    }
     const std::string where = absl::StrCat("decode worker ", decode->identity.worker_id, " after ",
                                            req.tokens_streamed, " tokens: ");
     if (status.ok()) return {false, absl::InternalError(where + "stream ended without Finished")};
-    if (worker_down) {
+    // The request's own deadline ended the call: an answer about the request, not the worker.
+    if (absl::IsDeadlineExceeded(status) || absl::Now() >= req.deadline) {
+      return {false, absl::DeadlineExceededError(
+                         absl::StrCat(where, "deadline exceeded (", status.ToString(), ")"))};
+    }
+    const bool lost = !broken_off && IsConnectionLost(status);
+    if (lost) registry_->MarkDead(decode->identity.worker_id, decode->incarnation);
+    if (req.tokens_streamed == 0 && (lost || IsRetryable(status))) {
+      HMOE_LOG(WARNING) << "req=" << req.id << " decode worker " << decode->identity.worker_id
+                        << " failed before the first token (" << status << "); retrying";
+      // A worker that answered (rejected or failed the request) is not asked again for this
+      // request; one whose connection broke may come back (restarted) and is.
+      Outcome o{true, absl::Status(status.code(), where + std::string(status.message()))};
+      if (!lost) o.exclude_worker = decode->identity.worker_id;
+      return o;
+    }
+    if (lost) {
       return {false, absl::UnavailableError(
                          absl::StrCat(where, "connection lost (", status.ToString(), ")"))};
     }
@@ -709,7 +788,7 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
           absl::StatusOr<pv1::PrefillResponse> r = calls[rank]->Wait();
           absl::MutexLock lock(&m);
           if (!r.ok() && absl::IsCancelled(r.status()) && !cancelled_here &&
-              !req.inflight->Cancelled()) {
+              !req.inflight->Cancelled() && absl::Now() < req.deadline) {
             // Nobody cancelled it: gRPC reports a peer killed mid-call this way on unix sockets.
             r = absl::UnavailableError(
                 absl::StrCat("connection lost (", r.status().message(), ")"));
@@ -769,7 +848,7 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
       return absl::UnavailableError(absl::StrCat("DSLP group ", group, " failed: ", rank_of,
                                                  " reported: ", error->message()));
     }
-    if (IsWorkerDown(*error, /*cancelled_by_us=*/false)) {
+    if (IsConnectionLost(*error) && absl::Now() < req.deadline) {
       registry_->MarkDead(w.identity.worker_id, w.incarnation);
       return absl::UnavailableError(absl::StrCat("DSLP group ", group, " failed: ", rank_of,
                                                  " is gone (", error->ToString(), ")"));
@@ -791,7 +870,7 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   if (error != nullptr) {
     ReleaseHandoff(p, req.id);
     const WorkerView& w = workers[error_rank];
-    if (!req.inflight->Cancelled() && IsWorkerDown(*error, /*cancelled_by_us=*/false)) {
+    if (!req.inflight->Cancelled() && absl::Now() < req.deadline && IsConnectionLost(*error)) {
       registry_->MarkDead(w.identity.worker_id, w.incarnation);
     }
     return absl::Status(error->code(), absl::StrCat("prefill worker ", w.identity.worker_id, ": ",
@@ -835,6 +914,7 @@ v1::ModelInfo Router::GetModelInfo() const {
 
 v1::RouterStatus Router::GetStatus() const {
   v1::RouterStatus s;
+  const int32_t limit = AdmissionLimit();
   const absl::Time now = clock_->Now();
   const std::vector<WorkerView> workers = registry_->Snapshot();
   absl::MutexLock lock(&mu_);
@@ -861,7 +941,7 @@ v1::RouterStatus Router::GetStatus() const {
     i->set_router_inflight(it == worker_inflight_.end() ? 0 : it->second);
   }
   s.set_inflight(static_cast<int32_t>(inflight_.size()));
-  s.set_max_inflight(options_.max_inflight);
+  s.set_max_inflight(limit);
   s.set_prefill_queue(prefill_queue_.waiting());
   s.set_max_prefill_queue(prefill_queue_.max_waiting());
   s.set_requests_total(requests_total_);

@@ -22,12 +22,17 @@
 // Whatever fails after a prefill, the hand-off buffer is released. Per-request timing (queue, TTFT,
 // TPOT, path, workers, attempts) ends the stream.
 //
-// Bounds: requests in flight (RESOURCE_EXHAUSTED beyond max_inflight) and prompts waiting for a
+// Bounds: requests in flight (RESOURCE_EXHAUSTED beyond max_inflight, or beyond the room the live
+// decode workers advertise: the sum of their batch_size + max_waiting) and prompts waiting for a
 // prefill worker (RESOURCE_EXHAUSTED beyond max_prefill_queue); nothing else queues in the router.
 //
-// Failures: a request that has streamed no token yet is dispatched again when a worker fails (a
-// dead worker is marked dead in the registry; the retry waits up to retry_wait for a live decode
-// worker); one that has streamed tokens ends with UNAVAILABLE naming the worker. Client
+// Failures: a request that has streamed no token yet is dispatched again when a worker fails. A
+// worker whose connection broke (UNAVAILABLE, or CANCELLED that the router did not cause) is
+// marked dead in the registry and the retry waits up to retry_wait for a live decode worker; a
+// worker that answered with an error (RESOURCE_EXHAUSTED, INTERNAL, ...) stays live and the retry
+// goes to another decode worker, or the request ends with that worker's status when there is
+// none. Cancellations and deadlines never mark a worker dead. A request that has streamed tokens
+// ends with the worker's status (UNAVAILABLE when its connection broke), naming the worker. Client
 // cancellation (GenerateSink::IsCancelled, polled by a watcher thread), the client's deadline and
 // the Cancel RPC break the worker calls, which cancels the request on the workers. Thread-safe.
 
@@ -131,6 +136,9 @@ class Router {
   hmoe::v1::ModelInfo GetModelInfo() const;
   // New requests get UNAVAILABLE from now on; running ones continue.
   void StartDraining() ABSL_LOCKS_EXCLUDED(mu_);
+  // What the health service reports: not draining, and a decode worker is live (so a request can
+  // be served).
+  bool Serving() const ABSL_LOCKS_EXCLUDED(mu_);
   int32_t inflight() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -139,17 +147,27 @@ class Router {
   struct Prefilled;
   // How one dispatch attempt ended: done (the status is the call's), or retry elsewhere.
   struct Outcome {
+    Outcome(bool retry, absl::Status status, std::string exclude_worker = "")
+        : retry(retry), status(std::move(status)), exclude_worker(std::move(exclude_worker)) {}
     bool retry = false;
     absl::Status status;
+    // With retry: a live worker that answered with an error (e.g. RESOURCE_EXHAUSTED); the
+    // retries of this request go to other decode workers.
+    std::string exclude_worker;
   };
 
   absl::Status Admit(const std::string& request_id, GenerateSink* sink,
                      std::shared_ptr<Inflight>* out) ABSL_LOCKS_EXCLUDED(mu_);
   void Release(const std::shared_ptr<Inflight>& inflight) ABSL_LOCKS_EXCLUDED(mu_);
   // The policy's decision; waits (polling) for workers to come back where router.h says so.
+  // `excluded`: decode workers not to use (they refused this request).
   absl::StatusOr<RouteDecision> Route(int64_t prompt_tokens, PathHintKind hint, bool dslp_allowed,
-                                      int attempt, absl::Time deadline, Inflight& inflight)
+                                      int attempt, absl::Time deadline, Inflight& inflight,
+                                      const std::vector<std::string>& excluded)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The admission limit: max_inflight, or less when the live decode workers advertise less room
+  // (batch_size + max_waiting each, from their heartbeats).
+  int32_t AdmissionLimit() const;
   // One dispatch: prefill (SLP/DSLP) when the route says so, then the decode worker's stream.
   Outcome RunAttempt(Request& request, const RouteDecision& route, int attempt)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -44,6 +44,8 @@ struct WorkerLoad {
   int32_t running = 0;
   int32_t waiting = 0;
   int32_t batch_size = 0;
+  // Admitted requests that may wait for a batch slot (0: not reported).
+  int32_t max_waiting = 0;
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   double tokens_per_second = 0;

@@ -124,6 +124,7 @@ void RegistryClient::Loop() {
       l->set_running(load.running);
       l->set_waiting(load.waiting);
       l->set_batch_size(load.batch_size);
+      l->set_max_waiting(load.max_waiting);
       l->set_kv_blocks_free(load.kv_blocks_free);
       l->set_kv_blocks_total(load.kv_blocks_total);
       l->set_tokens_per_second(load.tokens_per_second);

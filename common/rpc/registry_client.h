@@ -47,6 +47,8 @@ struct WorkerLoadReport {
   int running = 0;
   int waiting = 0;
   int batch_size = 0;
+  // Requests that may wait beyond the batch (decode worker: --max-waiting).
+  int max_waiting = 0;
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   double tokens_per_second = 0;

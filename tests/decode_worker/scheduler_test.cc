@@ -291,15 +291,49 @@ TEST(SchedulerTest, ShortPromptsShareAStepUpToOneChunkInFifoOrder) {
 
 TEST(SchedulerTest, PromptChunksDoNotDependOnWhatSharesTheStep) {
   // prefills_per_step 6. Prompts of 3, 20 and 2 tokens, chunk 8. The 20-token prompt is always cut
-  // 8, 8, 4 — never 5 to fill the step the 3-token prompt leaves — and the 2-token prompt behind it
-  // waits (FIFO) until it shares the step of the 4-token tail.
+  // 8, 8, 4 — never 5 to fill the step the 3-token prompt leaves. The 2-token prompt behind it
+  // waits for one of its chunks, then has its turn (round robin of the first chunk).
   const std::vector<testing::StepRecord> steps = StepsAfterBlocker({3, 20, 2}, 2, 6);
   ASSERT_GE(steps.size(), 5u);
   EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{1, 3}));
   EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{1, 1, 8}));
-  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 8}));
-  EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{1, 4, 2}));
-  EXPECT_EQ(steps[4].token_counts, (std::vector<int64_t>{1, 1, 1}));
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{1, 8, 1}));
+  EXPECT_EQ(steps[4].token_counts, (std::vector<int64_t>{1, 4}));
+}
+
+// Issue #16 finding 7: a short prompt that arrives while a long one is prefilled in chunks gets
+// the next step's chunk instead of waiting for all of the long prompt's chunks; the long prompt
+// then continues, cut the same way.
+TEST(SchedulerTest, AShortPromptIsNotHeldBehindEveryChunkOfALongOne) {
+  FakeStepEngine engine;
+  SchedulerOptions options = SmallChunks();  // chunk 8
+  options.dual_batch = false;
+  options.packing = PackingPolicy::kAlways;
+  std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
+  engine.HoldSteps();
+  auto long_prompt = scheduler->Submit(Greedy("long", Prompt(40, 1), 3));
+  ASSERT_TRUE(long_prompt.ok()) << long_prompt.status();
+  // The long prompt's first chunk is in its step; the short prompt joins at the next boundary.
+  while (engine.blocked_steps() == 0) absl::SleepFor(absl::Milliseconds(1));
+  auto short_prompt = scheduler->Submit(Greedy("short", Prompt(2, 2), 3));
+  ASSERT_TRUE(short_prompt.ok()) << short_prompt.status();
+  engine.ReleaseSteps();
+  EXPECT_EQ(Collect(**short_prompt).tokens, FakeGreedy(Prompt(2, 2), 3, 97));
+  EXPECT_EQ(Collect(**long_prompt).tokens, FakeGreedy(Prompt(40, 1), 3, 97));
+  const std::vector<testing::StepRecord> steps = engine.steps();
+  ASSERT_GE(steps.size(), 6u);
+  EXPECT_EQ(steps[0].token_counts, (std::vector<int64_t>{8}));
+  // The short prompt's turn: its 2 tokens; the long prompt's next 8 would exceed the chunk.
+  EXPECT_EQ(steps[1].token_counts, (std::vector<int64_t>{2}));
+  // Then the long prompt's chunks, with the short request decoding alongside.
+  EXPECT_EQ(steps[2].token_counts, (std::vector<int64_t>{8, 1}));
+  EXPECT_EQ(steps[3].token_counts, (std::vector<int64_t>{8, 1}));
+  int64_t long_tokens = 0;
+  for (const auto& s : steps) {
+    for (int64_t n : s.token_counts) long_tokens += n == 8 ? 8 : 0;
+  }
+  EXPECT_EQ(long_tokens, 40);  // 5 chunks of 8
 }
 
 TEST(SchedulerTest, AutoPackingPacksWhenAStepCostsItsWeightReads) {

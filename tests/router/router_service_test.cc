@@ -627,5 +627,121 @@ TEST_F(RouterServiceTest, GrpcPrefillClientRunsTheHandoffThroughRealServices) {
   unlink(decode_socket.c_str());
 }
 
+// A decode worker over real gRPC that rejects every request (as the real one does with a full
+// waiting queue) or holds it until the call ends (cancelled or past its deadline).
+class OverloadedDecodeService final : public dv1::DecodeService::Service {
+ public:
+  explicit OverloadedDecodeService(bool hang) : hang_(hang) {}
+  grpc::Status Admit(grpc::ServerContext* context, const dv1::AdmitRequest*,
+                     grpc::ServerWriter<dv1::AdmitResponse>*) override {
+    if (!hang_) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "waiting queue full (64 requests wait for a batch slot or KV blocks)");
+    }
+    while (!context->IsCancelled()) absl::SleepFor(absl::Milliseconds(5));
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled the call");
+  }
+
+ private:
+  const bool hang_;
+};
+
+// Issue #16 findings 1 and 2 over real gRPC connections: a worker's RESOURCE_EXHAUSTED reaches the
+// client as RESOURCE_EXHAUSTED, and neither a rejection nor a client's deadline marks the worker
+// dead.
+TEST_F(RouterServiceTest, WorkerRejectionOverGrpcIsResourceExhaustedAndTheWorkerStaysLive) {
+  const std::string socket = TempSocketDir() + "/full.sock";
+  unlink(socket.c_str());
+  OverloadedDecodeService full(/*hang=*/false);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&full);
+  std::unique_ptr<grpc::Server> worker = builder.BuildAndStart();
+  ASSERT_NE(worker, nullptr);
+  std::unique_ptr<DecodeClientFactory> grpc_factory = NewGrpcDecodeClientFactory();
+  Start({}, nullptr, grpc_factory.get());
+  AddDecodeWorker("full", {}, "unix:" + socket);
+  for (int i = 0; i < 30; ++i) {
+    const Result r = Generate(Request());
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+        << i << ": " << r.status.error_message();
+    EXPECT_TRUE(absl::StrContains(r.status.error_message(), "waiting queue full"))
+        << r.status.error_message();
+    ASSERT_EQ(registry_.Find("full")->state, WorkerState::kLive) << "after request " << i;
+  }
+  worker->Shutdown();
+  unlink(socket.c_str());
+}
+
+TEST_F(RouterServiceTest, ClientDeadlinesNeverMarkTheWorkerDead) {
+  const std::string socket = TempSocketDir() + "/slow.sock";
+  unlink(socket.c_str());
+  OverloadedDecodeService slow(/*hang=*/true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&slow);
+  std::unique_ptr<grpc::Server> worker = builder.BuildAndStart();
+  ASSERT_NE(worker, nullptr);
+  std::unique_ptr<DecodeClientFactory> grpc_factory = NewGrpcDecodeClientFactory();
+  Start({}, nullptr, grpc_factory.get());
+  AddDecodeWorker("slow", {}, "unix:" + socket);
+  std::vector<std::jthread> clients;
+  for (int ms = 1; ms <= 150; ms += 5) {
+    clients.emplace_back([this, ms] {
+      const Result r = Generate(Request(), absl::Milliseconds(ms));
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+          << ms << " ms: " << r.status.error_message();
+    });
+  }
+  clients.clear();  // joins
+  EXPECT_EQ(registry_.Find("slow")->state, WorkerState::kLive);
+  worker->Shutdown();
+  unlink(socket.c_str());
+}
+
+TEST_F(RouterServiceTest, WorkerRejectionIsTriedOnAnotherWorkerFirst) {
+  Start();
+  AddDecodeWorker("d0", {.tokens = {}, .end = absl::ResourceExhaustedError("waiting queue full")});
+  AddDecodeWorker("d1", {.tokens = {7}});
+  const Result r = Generate(Request());
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens(), (std::vector<int32_t>{7}));
+  EXPECT_EQ(r.finished()->timing().worker_ids(0), "d1");
+  EXPECT_EQ(registry_.Find("d0")->state, WorkerState::kLive);
+  // Every worker full: RESOURCE_EXHAUSTED with the worker's reason, nobody marked dead.
+  factory_.Set("fake:d1", {.tokens = {}, .end = absl::ResourceExhaustedError("kv pool full")});
+  const Result full = Generate(Request());
+  EXPECT_EQ(full.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << full.status.error_message();
+  EXPECT_EQ(registry_.Find("d0")->state, WorkerState::kLive);
+  EXPECT_EQ(registry_.Find("d1")->state, WorkerState::kLive);
+}
+
+// The router admits no more requests than its live decode workers advertise room for (running
+// batch + waiting queue), so a burst is answered RESOURCE_EXHAUSTED by the router itself.
+TEST_F(RouterServiceTest, AdmissionFollowsTheCapacityWorkersAdvertise) {
+  Start();
+  AddDecodeWorker("d0", {.tokens = {5}, .hang = true});
+  ASSERT_TRUE(registry_.Heartbeat("d0", {.batch_size = 1, .max_waiting = 1}).ok());
+  grpc::ClientContext ctx1, ctx2;
+  auto first = stub_->Generate(&ctx1, Request());
+  auto second = stub_->Generate(&ctx2, Request());
+  v1::GenerateResponse r;
+  ASSERT_TRUE(first->Read(&r));
+  ASSERT_TRUE(second->Read(&r));
+  const Result third = Generate(Request());
+  EXPECT_EQ(third.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(absl::StrContains(third.status.error_message(), "2 requests"))
+      << third.status.error_message();
+  grpc::ClientContext status_ctx;
+  v1::RouterStatus status;
+  ASSERT_TRUE(stub_->GetStatus(&status_ctx, {}, &status).ok());
+  EXPECT_EQ(status.max_inflight(), 2);
+  ctx1.TryCancel();
+  ctx2.TryCancel();
+  first->Finish();
+  second->Finish();
+}
+
 }  // namespace
 }  // namespace hmoe::router

@@ -938,6 +938,54 @@ TEST_F(RouterStackTest, LongPromptsTakeSlpAndDslpThroughTheRealRouterAndDecodeWo
 
 // ------------------------------------------------------------------ acceptance 3: bad input
 
+// Issue #16 acceptance 2: a burst of 300 requests past the stack's capacity (batch 4 + 8
+// waiting) ends in OK or RESOURCE_EXHAUSTED only, and no worker is marked dead. Before the fix the
+// worker's RESOURCE_EXHAUSTED reached the router as CANCELLED, the worker was marked dead and
+// requests failed UNAVAILABLE.
+TEST_F(RouterStackTest, ABurstPastCapacityIsServedOrResourceExhaustedAndNoWorkerDies) {
+  auto stack = Stack::Start("burst", 0, {},
+                            {"--batch-size", "4", "--max-waiting", "8", "--chunk-size", "16"});
+  ASSERT_NE(stack, nullptr);
+  Client& c = stack->client();
+  constexpr int kBurst = 300;
+  std::vector<Stream> streams(kBurst);
+  {
+    std::vector<std::jthread> clients;
+    for (int i = 0; i < kBurst; ++i) {
+      clients.emplace_back(
+          [&, i] { streams[i] = c.Generate(Greedy(absl::StrCat("burst-", i), Prompt(4, i), 8)); });
+    }
+  }  // joins
+  int ok = 0, exhausted = 0;
+  for (int i = 0; i < kBurst; ++i) {
+    const Stream& s = streams[i];
+    if (s.status.ok()) {
+      ++ok;
+      EXPECT_TRUE(s.finished) << i;
+      EXPECT_EQ(s.tokens.size(), 8u) << i;
+    } else {
+      EXPECT_EQ(s.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << "request " << i << ": " << s.status.error_code() << " " << s.status.error_message();
+      exhausted += s.status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+    }
+  }
+  std::cerr << "[burst] " << ok << " OK, " << exhausted << " RESOURCE_EXHAUSTED of " << kBurst
+            << "\n";
+  EXPECT_GE(ok, 12);  // at least one batch plus the waiting queue was served
+  EXPECT_GT(exhausted, 0);
+  const v1::RouterStatus st = c.Status();
+  ASSERT_EQ(st.workers_size(), 1);
+  EXPECT_EQ(st.workers(0).state(), v1::WORKER_STATE_LIVE);
+  EXPECT_EQ(st.workers(0).incarnation(), 1);
+  EXPECT_EQ(st.requests_failed(), 0);
+  EXPECT_FALSE(absl::StrContains(stack->router().ReadStderr(), "marked dead"))
+      << stack->router().ReadStderr();
+  EXPECT_EQ(stack->DecodeStatus().requests_failed(), 0);
+  // The stack still serves.
+  const Stream after = c.Generate(Greedy("after-burst", Prompt(4, 7), 4));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
 TEST_F(RouterStackTest, EveryBadInputGetsTheRightStatusOverTheWire) {
   auto stack = Stack::Start("bad", 0, {"--max-request-bytes=4096", "--max-inflight=2"});
   ASSERT_NE(stack, nullptr);
