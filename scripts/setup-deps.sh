@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev libboost-dev libnuma-dev numactl
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   supervisor clang-format
+  nlohmann-json3-dev python3-jinja2
 )
 
 missing=()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# ctest ChatTemplateConformance: renders generated conversations with Python's jinja2 (as
+# transformers configures it) and with hmoe_chat_conformance, byte for byte.
+#   run_conformance.sh BINARY TEMPLATE_DIR OUT_DIR
+# Exits 77 (ctest: skipped) with the reason when /usr/bin/python3 has no jinja2.
+set -euo pipefail
+bin="$1"
+templates="$2"
+out="$3"
+here="$(cd "$(dirname "$0")" && pwd)"
+if ! /usr/bin/python3 -c 'import jinja2, sys; sys.exit(0 if tuple(map(int, jinja2.__version__.split(".")[:2])) >= (3, 1) else 1)' 2>/dev/null; then
+  echo "SKIPPED: /usr/bin/python3 has no jinja2 >= 3.1 (Debian python3-jinja2; scripts/setup-deps.sh installs it)"
+  exit 77
+fi
+rm -rf "$out"
+/usr/bin/python3 "$here/gen_conformance.py" "$templates" "$out"
+"$bin" "$out/cases.json"
