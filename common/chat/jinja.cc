@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 
 #include "common/base/status_macros.h"
 
@@ -249,7 +249,14 @@ std::string TypeName(const Value& v) {
   return "?";
 }
 
-absl::StatusOr<Value> FromJson(const nlohmann::ordered_json& j) {
+// Values nest at most this deep (JSON input, literals): recursion stays far from the stack's end.
+constexpr int kMaxDepth = 200;
+
+absl::StatusOr<Value> FromJson(const nlohmann::ordered_json& j, int depth = 0) {
+  if (depth > kMaxDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("JSON value nested deeper than ", kMaxDepth, " levels"));
+  }
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null:
       return Value::None();
@@ -271,7 +278,7 @@ absl::StatusOr<Value> FromJson(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       for (const auto& e : j) {
-        HMOE_ASSIGN_OR_RETURN(Value v, FromJson(e));
+        HMOE_ASSIGN_OR_RETURN(Value v, FromJson(e, depth + 1));
         items.push_back(std::move(v));
       }
       return Value::List(std::move(items));
@@ -279,7 +286,7 @@ absl::StatusOr<Value> FromJson(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::object: {
       Value d = Value::NewDict();
       for (const auto& [k, e] : j.items()) {
-        HMOE_ASSIGN_OR_RETURN(Value v, FromJson(e));
+        HMOE_ASSIGN_OR_RETURN(Value v, FromJson(e, depth + 1));
         d.dict->items.emplace_back(k, std::move(v));
       }
       return d;
@@ -995,6 +1002,11 @@ absl::StatusOr<Value> GetItem(const Value& obj, const Value& key) {
   return Value::Undefined(absl::StrCat("'", TypeName(obj), "' object has no item"));
 }
 
+// Python's ints are unbounded; ours are 64-bit and refuse to wrap.
+absl::Status IntOverflow() {
+  return absl::InvalidArgumentError("integer overflow (beyond 64-bit integers)");
+}
+
 absl::StatusOr<Value> Arith(const std::string& op, const Value& a, const Value& b) {
   if (a.kind == Kind::kUndefined) return UndefinedError(a);
   if (b.kind == Kind::kUndefined) return UndefinedError(b);
@@ -1012,6 +1024,10 @@ absl::StatusOr<Value> Arith(const std::string& op, const Value& a, const Value& 
     if ((seq->kind == Kind::kString || seq->kind == Kind::kList) &&
         (times->kind == Kind::kInt || times->kind == Kind::kBool)) {
       const int64_t n = times->kind == Kind::kBool ? times->b : times->i;
+      const size_t unit = seq->kind == Kind::kString ? seq->s.size() : seq->list->size();
+      if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > (size_t{1} << 26) / unit) {
+        return absl::InvalidArgumentError("sequence repetition result too large");
+      }
       if (seq->kind == Kind::kString) {
         std::string out;
         for (int64_t k = 0; k < n; ++k) out += seq->s;
@@ -1040,6 +1056,7 @@ absl::StatusOr<Value> Arith(const std::string& op, const Value& a, const Value& 
       const double q = std::floor(fx / fy);
       return Value::Float(op == "//" ? q : fx - q * fy);
     }
+    if (x == std::numeric_limits<int64_t>::min() && y == -1) return IntOverflow();
     int64_t q = x / y;
     if ((x % y != 0) && ((x < 0) != (y < 0))) --q;
     return Value::Int(op == "//" ? q : x - q * y);
@@ -1047,7 +1064,11 @@ absl::StatusOr<Value> Arith(const std::string& op, const Value& a, const Value& 
   if (op == "**") {
     if (!floats && y >= 0) {
       int64_t r = 1;
-      for (int64_t k = 0; k < y; ++k) r *= x;
+      for (int64_t k = 0; k < y; ++k) {
+        if (__builtin_mul_overflow(r, x, &r)) return IntOverflow();
+        if (r == 0 || r == 1) break;  // 0 and 1 stay; -1 alternates below.
+      }
+      if (x == -1) r = (y % 2 == 0) ? 1 : -1;
       return Value::Int(r);
     }
     return Value::Float(std::pow(fx, fy));
@@ -1055,7 +1076,12 @@ absl::StatusOr<Value> Arith(const std::string& op, const Value& a, const Value& 
   if (floats) {
     return Value::Float(op == "+" ? fx + fy : op == "-" ? fx - fy : fx * fy);
   }
-  return Value::Int(op == "+" ? x + y : op == "-" ? x - y : x * y);
+  int64_t r;
+  const bool overflow = op == "+"   ? __builtin_add_overflow(x, y, &r)
+                        : op == "-" ? __builtin_sub_overflow(x, y, &r)
+                                    : __builtin_mul_overflow(x, y, &r);
+  if (overflow) return IntOverflow();
+  return Value::Int(r);
 }
 
 // ----------------------------------------------------------------------------- lexer
@@ -1416,7 +1442,8 @@ struct Stmt {
     kSetBlock,
     kBreak,
     kContinue,
-    kBlock
+    kBlock,
+    kMacro
   } type = kText;
   int line = 0;
   std::string text;
@@ -1424,7 +1451,8 @@ struct Stmt {
   ExprPtr filter;                                  // kFor's `if`.
   std::vector<std::string> targets;                // kFor, kSet, kSetBlock; kSetAttr: {ns, attr}.
   std::vector<std::pair<ExprPtr, Body>> branches;  // kIf (null condition = else).
-  Body body, else_body;                            // kFor, kSetBlock, kBlock.
+  Body body, else_body;                            // kFor, kSetBlock, kBlock, kMacro.
+  std::vector<ExprPtr> defaults;  // kMacro: per parameter (targets), null when none.
 };
 
 }  // namespace
@@ -1456,7 +1484,17 @@ const std::set<std::string>& Globals() {
 
 class Parser {
  public:
-  explicit Parser(std::vector<Segment> segs) : segs_(std::move(segs)) {}
+  explicit Parser(std::vector<Segment> segs) : segs_(std::move(segs)) {
+    // The template's macros may be called before their definition in the source (from another
+    // macro), so calls are checked against all of them.
+    for (const Segment& s : segs_) {
+      if (s.type == Segment::kStatement && s.tokens.size() >= 2 &&
+          s.tokens[0].type == Token::kName && s.tokens[0].text == "macro" &&
+          s.tokens[1].type == Token::kName) {
+        macros_.insert(s.tokens[1].text);
+      }
+    }
+  }
 
   absl::StatusOr<Body> ParseAll() {
     Body body;
@@ -1469,6 +1507,8 @@ class Parser {
   // Parses statements until one of `ends` (a statement keyword) and returns which one ended it
   // ("" at the end of the template, allowed only when `ends` is empty).
   absl::StatusOr<std::string> ParseBody(Body& body, const std::set<std::string>& ends) {
+    DepthGuard guard(depth_);
+    HMOE_RETURN_IF_ERROR(CheckDepth());
     while (seg_ < segs_.size()) {
       Segment& s = segs_[seg_];
       if (s.type == Segment::kText) {
@@ -1510,6 +1550,8 @@ class Parser {
       } else if (kw == "break" || kw == "continue") {
         st.type = kw == "break" ? Stmt::kBreak : Stmt::kContinue;
         HMOE_RETURN_IF_ERROR(ExpectEnd());
+      } else if (kw == "macro") {
+        HMOE_RETURN_IF_ERROR(ParseMacro(st));
       } else if (kw == "generation") {
         // transformers' AssistantTracker extension: marks assistant text, renders its body.
         st.type = Stmt::kBlock;
@@ -1588,6 +1630,35 @@ class Parser {
       HMOE_ASSIGN_OR_RETURN(e, ParseBody(st.else_body, {"endfor", "else"}));
     }
     return CloseTag(e, "endfor", st.line);
+  }
+
+  // {% macro name(a, b=default) %}body{% endmacro %}: no varargs, kwargs or caller.
+  absl::Status ParseMacro(Stmt& st) {
+    st.type = Stmt::kMacro;
+    const Token* name = Next();
+    if (name == nullptr || name->type != Token::kName) {
+      return LineError(line_, "expected a macro name");
+    }
+    st.text = name->text;
+    HMOE_RETURN_IF_ERROR(ExpectOp("("));
+    while (!AcceptOp(")")) {
+      if (!st.targets.empty()) HMOE_RETURN_IF_ERROR(ExpectOp(","));
+      const Token* p = Next();
+      if (p == nullptr || p->type != Token::kName) {
+        return LineError(line_, "expected a macro parameter name");
+      }
+      st.targets.push_back(p->text);
+      ExprPtr dflt;
+      if (AcceptOp("=")) {
+        HMOE_ASSIGN_OR_RETURN(dflt, ParseExpr());
+      } else if (!st.defaults.empty() && st.defaults.back()) {
+        return LineError(line_, "a macro parameter without a default follows one with a default");
+      }
+      st.defaults.push_back(std::move(dflt));
+    }
+    HMOE_RETURN_IF_ERROR(ExpectEnd());
+    HMOE_ASSIGN_OR_RETURN(std::string e, ParseBody(st.body, {"endmacro"}));
+    return CloseTag(e, "endmacro", st.line);
   }
 
   absl::Status ParseSet(Stmt& st) {
@@ -1812,7 +1883,22 @@ class Parser {
     }
     return e;
   }
+  // Counts nesting (expressions, blocks) so that a hostile template cannot overflow the stack.
+  struct DepthGuard {
+    explicit DepthGuard(int& d) : depth(d) { ++depth; }
+    ~DepthGuard() { --depth; }
+    int& depth;
+  };
+  absl::Status CheckDepth() const {
+    if (depth_ > kMaxDepth) {
+      return LineError(line_, absl::StrCat("nested deeper than ", kMaxDepth, " levels"));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<ExprPtr> ParseUnary(bool with_filter) {
+    DepthGuard guard(depth_);
+    HMOE_RETURN_IF_ERROR(CheckDepth());
     ExprPtr e;
     if (PeekOp("-") || PeekOp("+")) {
       ExprPtr n = Make(Next()->text == "-" ? Expr::kNeg : Expr::kPos);
@@ -1981,7 +2067,7 @@ class Parser {
   absl::StatusOr<ExprPtr> ParseCall(ExprPtr callee) {
     // Only known callables: the globals and the supported methods of str and dict.
     if (callee->type == Expr::kName) {
-      if (!Globals().count(callee->name)) {
+      if (!Globals().count(callee->name) && !macros_.count(callee->name)) {
         return LineError(line_, absl::StrCat("unsupported function '", callee->name, "()'"));
       }
     } else if (callee->type == Expr::kAttr) {
@@ -2037,6 +2123,8 @@ class Parser {
   const std::vector<Token>* toks_ = nullptr;
   size_t tok_ = 0;
   int line_ = 1;
+  int depth_ = 0;
+  std::set<std::string> macros_;
 };
 
 // ----------------------------------------------------------------------------- renderer
@@ -2046,6 +2134,13 @@ enum class Flow { kNormal, kBreak, kContinue };
 class Renderer {
  public:
   explicit Renderer(std::string& out) : out_(out) { frames_.emplace_back(); }
+
+  // `set ns.a = ns` makes a reference cycle; emptying every namespace at the end breaks it.
+  ~Renderer() {
+    for (const auto& d : namespaces_) d->items.clear();
+  }
+  Renderer(const Renderer&) = delete;
+  Renderer& operator=(const Renderer&) = delete;
 
   void SetGlobal(const std::string& name, Value v) { frames_[0][name] = std::move(v); }
 
@@ -2110,6 +2205,16 @@ class Renderer {
         return Flow::kContinue;
       case Stmt::kBlock:
         return Exec(st.body);
+      case Stmt::kMacro: {
+        // A macro value: called, it renders its body in a scope of the template's top level
+        // and its parameters (not the caller's locals), and returns the text.
+        const Stmt* macro = &st;
+        frames_.back()[st.text] = Value::Function(
+            [this, macro](const Args& args, const KwArgs& kwargs) -> absl::StatusOr<Value> {
+              return CallMacro(*macro, args, kwargs);
+            });
+        return Flow::kNormal;
+      }
     }
     return Flow::kNormal;
   }
@@ -2255,6 +2360,9 @@ class Renderer {
         }
         if (e.type == Expr::kPos) return v.kind == Kind::kBool ? Value::Int(v.b) : v;
         if (v.kind == Kind::kFloat) return Value::Float(-v.f);
+        if (v.kind == Kind::kInt && v.i == std::numeric_limits<int64_t>::min()) {
+          return IntOverflow();
+        }
         return Value::Int(-(v.kind == Kind::kBool ? v.b : v.i));
       }
       case Expr::kNot: {
@@ -2351,6 +2459,70 @@ class Renderer {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<Value> CallMacro(const Stmt& m, const Args& args, const KwArgs& kwargs) {
+    if (args.size() > m.targets.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("macro '", m.text, "' takes not more than ",
+                                                     m.targets.size(), " argument(s)"));
+    }
+    if (macro_depth_ >= 64) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("macro '", m.text, "': calls nested deeper than 64"));
+    }
+    std::map<std::string, Value> scope;
+    std::vector<bool> bound(m.targets.size(), false);
+    for (size_t k = 0; k < args.size(); ++k) {
+      scope[m.targets[k]] = args[k];
+      bound[k] = true;
+    }
+    for (const auto& [name, v] : kwargs) {
+      auto it = std::find(m.targets.begin(), m.targets.end(), name);
+      if (it == m.targets.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("macro '", m.text, "' takes no keyword argument '", name, "'"));
+      }
+      if (bound[it - m.targets.begin()]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("macro '", m.text, "' got multiple values for argument '", name, "'"));
+      }
+      scope[name] = v;
+      bound[it - m.targets.begin()] = true;
+    }
+    std::vector<std::map<std::string, Value>> saved_frames;
+    saved_frames.push_back(frames_[0]);
+    std::swap(saved_frames, frames_);  // frames_ = {top level}; saved_frames = the caller's.
+    // Defaults are evaluated in the macro's scope, left to right.
+    absl::Status status;
+    frames_.emplace_back();
+    for (size_t k = 0; k < m.targets.size() && status.ok(); ++k) {
+      if (bound[k]) {
+        frames_.back()[m.targets[k]] = scope[m.targets[k]];
+      } else if (m.defaults[k]) {
+        auto v = Eval(*m.defaults[k]);
+        if (v.ok()) {
+          frames_.back()[m.targets[k]] = *std::move(v);
+        } else {
+          status = v.status();
+        }
+      } else {
+        frames_.back()[m.targets[k]] = Value::Undefined(absl::StrCat("'", m.targets[k], "'"));
+      }
+    }
+    std::string text;
+    if (status.ok()) {
+      std::swap(text, out_);
+      ++macro_depth_;
+      auto f = Exec(m.body);
+      --macro_depth_;
+      std::swap(text, out_);
+      if (!f.ok()) status = f.status();
+    }
+    // The top level may have changed inside (a namespace is shared; a set inside a macro is
+    // local): keep the caller's frames, with the top level as it was.
+    std::swap(saved_frames, frames_);
+    if (!status.ok()) return status;
+    return Value::Str(std::move(text));
+  }
+
   absl::StatusOr<Value> EvalCall(const Expr& e) {
     Args args;
     KwArgs kwargs;
@@ -2358,8 +2530,12 @@ class Renderer {
     if (callee.type == Expr::kName) {
       HMOE_RETURN_IF_ERROR(EvalArgs(e, 1, args, kwargs));
       const Value shadow = Lookup(callee.name);
+      if (shadow.kind == Kind::kFunc) return (*shadow.func)(args, kwargs);  // A macro.
       if (shadow.kind != Kind::kUndefined) {
         return absl::InvalidArgumentError(absl::StrCat("'", callee.name, "' is not callable"));
+      }
+      if (!Globals().count(callee.name)) {
+        return absl::InvalidArgumentError(absl::StrCat("'", callee.name, "' is undefined"));
       }
       if (callee.name == "raise_exception") {
         HMOE_RETURN_IF_ERROR(WantArgs(callee.name, args, kwargs, 1, 1));
@@ -2370,6 +2546,7 @@ class Renderer {
       }
       if (callee.name == "namespace") {
         Value ns = Value::Object("namespace");
+        namespaces_.push_back(ns.dict);
         for (const Value& a : args) {
           if (a.kind != Kind::kDict) {
             return absl::InvalidArgumentError("namespace() takes a dict or keyword arguments");
@@ -2553,6 +2730,8 @@ class Renderer {
 
   std::string& out_;
   std::vector<std::map<std::string, Value>> frames_;
+  int macro_depth_ = 0;
+  std::vector<std::shared_ptr<Dict>> namespaces_;
 };
 
 }  // namespace

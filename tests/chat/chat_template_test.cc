@@ -105,7 +105,7 @@ TEST_F(ChatTemplateTest, ExtraVariablesReachTheTemplate) {
 }
 
 TEST_F(ChatTemplateTest, ErrorsNameTheFileAndLine) {
-  WriteConfig({{"chat_template", "ok\n{% macro x() %}{% endmacro %}"}});
+  WriteConfig({{"chat_template", "ok\n{% call x() %}{% endcall %}"}});
   auto t = ChatTemplate::FromCheckpoint(dir_.string());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(t.status().message()), HasSubstr("tokenizer_config.json"));

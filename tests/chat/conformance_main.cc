@@ -4,7 +4,8 @@
 //   hmoe_chat_conformance CASES.json
 //
 // CASES.json: {"checkpoints": {name: dir}, "cases": [{"checkpoint": name, "request":
-// {messages, tools, add_generation_prompt, extra}, "expected": text} or {..., "error": msg}]}.
+// {messages, tools, add_generation_prompt, extra}, "expected": text} or {..., "error": msg}
+// (raise_exception's message) or {..., "fails": why} (jinja2 failed otherwise)]}.
 // Prints a line per checkpoint with its case count; exits 1 on the first few mismatches.
 
 #include <cstdio>
@@ -70,7 +71,11 @@ int main(int argc, char** argv) {
     auto got = templates.at(name).Render(req);
     ++total[name];
     std::string problem;
-    if (c.contains("error")) {
+    if (c.contains("fails")) {
+      // jinja2 itself failed (e.g. a TypeError): we must fail too, not render something.
+      if (got.ok())
+        problem = "jinja2 failed (" + c["fails"].get<std::string>() + ") but we rendered";
+    } else if (c.contains("error")) {
       const std::string want = c["error"].get<std::string>();
       if (got.ok()) {
         problem = "jinja2 raised '" + want + "' but we rendered";

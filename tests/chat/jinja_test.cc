@@ -77,6 +77,8 @@ TEST(JinjaSet, AssignmentUnpackingBlockAndNamespace) {
   EXPECT_EQ(R("{% set ns = namespace(n=0, s='') %}{% for i in [1, 2, 3] %}{% set ns.n = ns.n + i "
               "%}{% endfor %}{{ ns.n }}"),
             "6");
+  // A namespace holding itself renders (and, under ASan, does not leak).
+  EXPECT_EQ(R("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns.me.me.a }}"), "1");
   EXPECT_THAT(R("{% set d = {} %}{% set d.x = 1 %}"),
               HasSubstr("line 1: cannot assign attribute on non-namespace object"));
 }
@@ -156,6 +158,10 @@ TEST(JinjaOperators, ArithmeticConcatAndConditional) {
   EXPECT_EQ(R("{{ 1 ~ 'x' ~ none ~ missing }}|{{ (1 + 2) ~ 3 }}"), "1xNone|33");
   // `~` binds tighter than `+` (jinja2's grammar): this is 1 + '23'.
   EXPECT_THAT(R("{{ 1 + 2 ~ 3 }}"), HasSubstr("unsupported operand type(s) for +"));
+  EXPECT_THAT(R("{{ 9223372036854775807 + 1 }}"), HasSubstr("integer overflow"));
+  EXPECT_THAT(R("{{ 3 ** 99 }}"), HasSubstr("integer overflow"));
+  EXPECT_THAT(R("{{ 'ab' * 100000000 }}"), HasSubstr("too large"));
+  EXPECT_EQ(R("{{ (-1) ** 5 }}{{ 0 ** 0 }}{{ 2 ** 62 }}"), "-114611686018427387904");
   EXPECT_EQ(R("{{ 'y' if 1 else 'n' }}{{ 'y' if 0 else 'n' }}[{{ 'y' if 0 }}]"), "yn[]");
   EXPECT_THAT(R("\n{{ 'a' + 1 }}"), HasSubstr("line 2: unsupported operand type(s) for +"));
   EXPECT_THAT(R("{{ missing + 'a' }}"), HasSubstr("'missing' is undefined"));
@@ -225,6 +231,24 @@ TEST(JinjaFilters, LengthTrimDefaultJoinFirstLastString) {
   EXPECT_EQ(R("{{ 'AbC' | lower }}{{ 'AbC' | upper }}"), "abcABC");
 }
 
+TEST(JinjaMacro, DefinitionCallDefaultsAndScope) {
+  const std::string defs =
+      "{% set top = 'T' %}{% set ns = namespace(n=0) %}"
+      "{%- macro greet(name, punct='!') -%}{% set local = 1 %}{% set ns.n = ns.n + 1 %}"
+      "hi {{ name }}{{ punct }}{{ top }}{{ item is defined }}{%- endmacro -%}";
+  EXPECT_EQ(R(defs + "{{ greet('a') }}|{{ greet('b', '?') }}|{{ greet(punct='.', name='c') }}|"
+                     "{{ ns.n }}{{ local is defined }}"),
+            "hi a!TFalse|hi b?TFalse|hi c.TFalse|3False");
+  // The caller's loop variables are not visible inside; the macro's text is a string.
+  EXPECT_EQ(R(defs + "{% for item in [1] %}{{ greet(item) | length }}{% endfor %}"), "11");
+  // Called from another macro defined earlier in the source.
+  EXPECT_EQ(R("{% macro a() %}<{{ b() }}>{% endmacro %}{% macro b() %}B{% endmacro %}{{ a() }}"),
+            "<B>");
+  EXPECT_THAT(R(defs + "{{ greet(1, 2, 3) }}"), HasSubstr("takes not more than 2 argument(s)"));
+  EXPECT_THAT(R(defs + "{{ greet(nam=1) }}"), HasSubstr("no keyword argument 'nam'"));
+  EXPECT_THAT(R("{% macro r() %}{{ r() }}{% endmacro %}{{ r() }}"), HasSubstr("nested deeper"));
+}
+
 TEST(JinjaRaise, RaiseExceptionCarriesTheMessage) {
   auto t = Template::Parse("a{{ raise_exception('Bad role: ' ~ role) }}b");
   ASSERT_TRUE(t.ok()) << t.status();
@@ -252,7 +276,10 @@ TEST(JinjaRejects, UnsupportedConstructsNameTheLine) {
     const char* source;
     const char* message;
   } cases[] = {
-      {"a\n{% macro m() %}x{% endmacro %}", "line 2: unsupported statement '{% macro %}'"},
+      {"a\n{% call m() %}x{% endcall %}", "line 2: unsupported statement '{% call %}'"},
+      {"{% macro m(*a) %}{% endmacro %}", "line 1: expected a macro parameter name"},
+      {"{% macro m(a=1, b) %}{% endmacro %}", "line 1: a macro parameter without a default"},
+      {"{{ m() }}", "line 1: unsupported function 'm()'"},
       {"a\nb\n{% include 'x.j2' %}", "line 3: unsupported statement '{% include %}'"},
       {"{% import 'x' as y %}", "line 1: unsupported statement '{% import %}'"},
       {"{% extends 'base' %}", "line 1: unsupported statement '{% extends %}'"},
