@@ -158,7 +158,8 @@ def conversation(rng, name):
                 content = None
             msgs.append({"role": "assistant", "content": content, "tool_calls": calls})
             for c in calls:
-                msgs.append({"role": "tool", "tool_call_id": c["id"], "content": text(rng)})
+                msgs.append({"role": "tool", "tool_call_id": c["id"],
+                             "content": None if name == "kimi_k2" and rng.random() < 0.1 else text(rng)})
             if rng.random() < 0.3:
                 break  # end on the tool results: the model answers next
         last = rng.random() < 0.3 and turn > 0
