@@ -33,7 +33,8 @@ class Template {
   static absl::StatusOr<Template> Parse(std::string_view source);
 
   // Renders with the top-level variables of `context` (a JSON object). JSON values keep their
-  // key order (json.dumps of a Python dict built by json.loads keeps it too).
+  // key order (json.dumps of a Python dict built by json.loads keeps it too). A Template is
+  // immutable: concurrent Render calls are safe.
   absl::StatusOr<std::string> Render(const nlohmann::ordered_json& context) const;
 
  private:
