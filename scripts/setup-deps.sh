@@ -10,6 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   supervisor clang-format
   python3 python3-venv  # the GGUF oracle test's venv (tests/model/gguf_oracle_test.py)
+  nlohmann-json3-dev python3-jinja2  # JSON in common/chat; the chat-template conformance test
 )
 
 missing=()
