@@ -9,11 +9,14 @@ PACKAGES=(
   libabsl-dev libboost-dev libnuma-dev numactl
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   supervisor clang-format
+  clang-14 libfuzzer-14-dev  # scripts/fuzz.sh and test.sh's fuzz configuration
 )
 
 missing=()
 for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+  # No `| grep -q` under pipefail (scripts/lib/common.sh says why).
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  if [[ "$status" != *"install ok installed"* ]]; then
     missing+=("$p")
   fi
 done
