@@ -192,7 +192,7 @@ absl::StatusOr<int> ResolveHeartbeatIntervalMs(int timeout_ms, int interval_ms) 
                      timeout_ms, " and ", interval_ms, ")"));
   }
   if (interval_ms == 0) return std::max(1, std::min(1000, timeout_ms / 3));
-  if (timeout_ms < 2 * interval_ms) {
+  if (int64_t{timeout_ms} < 2 * int64_t{interval_ms}) {  // no int overflow (found by fuzzing)
     return absl::InvalidArgumentError(
         absl::StrCat("--heartbeat_timeout_ms (", timeout_ms,
                      ") must be at least twice --heartbeat_interval_ms (", interval_ms,

@@ -93,6 +93,9 @@ TEST(ValidationTest, HeartbeatPeriodFollowsTheTimeoutAndMustFitTwiceInIt) {
       {{1000, 501}, "must be at least twice --heartbeat_interval_ms (501)"},
       {{1, 0}, "--heartbeat_timeout_ms must be >= 2"},
       {{3000, -5}, "--heartbeat_interval_ms >= 0"},
+      // tests/fuzz request_validator: 2 * interval overflowed int (UBSan) and let this through.
+      {{269488138, 1896878096}, "must be at least twice --heartbeat_interval_ms (1896878096)"},
+      {{1000, INT32_MAX}, "must be at least twice"},
   };
   for (const auto& [flags, why] : bad) {
     const absl::StatusOr<int> r = ResolveHeartbeatIntervalMs(flags.first, flags.second);
