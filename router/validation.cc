@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -122,8 +123,20 @@ absl::StatusOr<std::vector<int32_t>> ResolvePrompt(const hmoe::v1::GenerateReque
     if (tokenizer == nullptr) {
       return Invalid(field, "the router has no tokenizer (start it with --model)");
     }
-    ids = tokenizer->Encode(request.prompt_text(), tokenizer->add_bos_token(),
-                            /*parse_special=*/false);
+    // Encoding stops once the prompt cannot fit (issue 16): an over-long text costs no BPE.
+    const int64_t room =
+        limits.context_length > 0
+            ? std::max<int64_t>(0, int64_t{limits.context_length} - request.max_new_tokens())
+            : INT64_MAX;
+    std::optional<std::vector<int32_t>> encoded = tokenizer->EncodeWithin(
+        request.prompt_text(), tokenizer->add_bos_token(), /*parse_special=*/false, room);
+    if (!encoded.has_value()) {
+      return Invalid(field,
+                     absl::StrCat("prompt longer than ", room, " tokens: with max_new_tokens (",
+                                  request.max_new_tokens(), ") it exceeds the context length ",
+                                  limits.context_length));
+    }
+    ids = *std::move(encoded);
   } else {
     ids.assign(request.prompt_token_ids().ids().begin(), request.prompt_token_ids().ids().end());
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -179,7 +192,7 @@ absl::StatusOr<int> ResolveHeartbeatIntervalMs(int timeout_ms, int interval_ms) 
                      timeout_ms, " and ", interval_ms, ")"));
   }
   if (interval_ms == 0) return std::max(1, std::min(1000, timeout_ms / 3));
-  if (timeout_ms < 2 * interval_ms) {
+  if (int64_t{timeout_ms} < 2 * int64_t{interval_ms}) {  // no int overflow (found by fuzzing)
     return absl::InvalidArgumentError(
         absl::StrCat("--heartbeat_timeout_ms (", timeout_ms,
                      ") must be at least twice --heartbeat_interval_ms (", interval_ms,

@@ -25,6 +25,8 @@ PROMPT="${HMOE_PROMPT:-The quick brown fox}"
 MAX_NEW="${HMOE_MAX_NEW_TOKENS:-32}"
 start=$SECONDS
 say() { echo "quickstart [$((SECONDS - start)) s]: $*"; }
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"
 
 "$ROOT/scripts/setup-deps.sh"
 
@@ -41,7 +43,7 @@ export CCACHE_BASEDIR="$ROOT" CCACHE_NOHASHDIR=1
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DHMOE_CUDA=$CUDA -DHMOE_BUILD_BENCHMARKS=OFF \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 TARGETS=(hmoe-weightd hmoe-decode-worker hmoe-router hmoe hmoe-make-model)
-if ninja -C "$BUILD" -t targets all 2>/dev/null | grep -q '^hmoe-prefill-worker:'; then
+if ninja_has_target "$BUILD" hmoe-prefill-worker; then
   TARGETS+=(hmoe-prefill-worker)
 fi
 cmake --build "$BUILD" --target "${TARGETS[@]}" -j "$(nproc)"
@@ -86,13 +88,13 @@ if [[ "${HMOE_KEEP_RUNNING:-0}" != 1 ]]; then trap stop_service EXIT; fi
 say "waiting for the router and a live decode worker"
 ready=0
 for _ in $(seq 1 600); do
-  if "$HMOE" status --addr "127.0.0.1:$PORT" --timeout-s 2 2>/dev/null | grep -qE 'DECODE +LIVE'; then
+  if output_matches 'DECODE +LIVE' "$HMOE" status --addr "127.0.0.1:$PORT" --timeout-s 2; then
     ready=1
     break
   fi
   # A program that cannot start (weightd, decode worker, router; a prefill worker is optional here:
   # the demo prompt is short) ends the wait.
-  if supervisorctl -c "$CONF" status | grep -E '^(weightd|decode|router) ' | grep -qE 'FATAL|BACKOFF'; then
+  if output_matches '^(weightd|decode|router) .*(FATAL|BACKOFF)' supervisorctl -c "$CONF" status; then
     break
   fi
   sleep 0.5

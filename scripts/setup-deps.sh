@@ -11,11 +11,14 @@ PACKAGES=(
   supervisor clang-format
   python3 python3-venv  # the GGUF oracle test's venv (tests/model/gguf_oracle_test.py)
   nlohmann-json3-dev python3-jinja2  # JSON in common/chat; the chat-template conformance test
+  clang-14 libfuzzer-14-dev  # scripts/fuzz.sh and test.sh's fuzz configuration
 )
 
 missing=()
 for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+  # No `| grep -q` under pipefail (scripts/lib/common.sh says why).
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  if [[ "$status" != *"install ok installed"* ]]; then
     missing+=("$p")
   fi
 done

@@ -4,6 +4,8 @@
 #   cuda  - CUDA build (archs 90;120): compiles and links everything; GPU tests skip without a GPU
 #   asan  - ASan+UBSan build of the unit tests (labels unit and threads)
 #   tsan  - TSan build of the tests labelled "threads" (where threads meet)
+#   fuzz  - every libFuzzer target of tests/fuzz for HMOE_FUZZ_SECONDS (default 30) s under
+#           ASan+UBSan (clang-14; scripts/fuzz.sh, docs/fuzzing.md)
 # plus (config `format`) a clang-format check and the layering check (scripts/check_layering.sh).
 # Usage: scripts/test.sh [config ...]   (default: all of them)
 # Environment: HMOE_BUILD_ROOT (default <repo>/build), HMOE_JOBS (default: nproc).
@@ -14,7 +16,7 @@ BUILD_ROOT="${HMOE_BUILD_ROOT:-$ROOT/build}"
 JOBS="${HMOE_JOBS:-$(nproc)}"
 CONFIGS=("$@")
 if [[ ${#CONFIGS[@]} -eq 0 ]]; then
-  CONFIGS=(format cpu cuda asan tsan)
+  CONFIGS=(format cpu cuda asan tsan fuzz)
 fi
 
 log() { printf '\n==== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -95,8 +97,13 @@ for config in "${CONFIGS[@]}"; do
         -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHMOE_SANITIZE=thread
       TSAN_OPTIONS=halt_on_error=1 run_ctest tsan -L threads --no-tests=ignore
       ;;
+    fuzz)
+      log "fuzz every target for ${HMOE_FUZZ_SECONDS:-30} s"
+      HMOE_BUILD_ROOT="$BUILD_ROOT" HMOE_JOBS="$JOBS" "$ROOT/scripts/fuzz.sh" all \
+        "${HMOE_FUZZ_SECONDS:-30}"
+      ;;
     *)
-      echo "test.sh: unknown configuration '$config' (format, cpu, cuda, asan, tsan)" >&2
+      echo "test.sh: unknown configuration '$config' (format, cpu, cuda, asan, tsan, fuzz)" >&2
       exit 2
       ;;
   esac

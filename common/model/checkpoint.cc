@@ -63,6 +63,34 @@ absl::StatusOr<std::vector<std::string>> ListSafetensors(const std::string& dir)
 
 }  // namespace
 
+absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(std::string_view text) {
+  absl::StatusOr<json::Value> index = json::Parse(text);
+  if (!index.ok()) return absl::InvalidArgumentError(index.status().message());
+  if (!index->is_object()) return absl::InvalidArgumentError("not a JSON object");
+  const json::Value* weight_map = index->Find("weight_map");
+  if (weight_map == nullptr || !weight_map->is_object()) {
+    return absl::InvalidArgumentError("missing or non-object \"weight_map\"");
+  }
+  CheckpointIndex result;
+  for (const auto& [tensor, shard] : weight_map->members()) {
+    if (!shard.is_string() || !IsPlainFileName(shard.as_string())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor \"", tensor, "\": shard is not a file name in the directory"));
+    }
+    result.shard_names.push_back(shard.as_string());
+  }
+  std::sort(result.shard_names.begin(), result.shard_names.end());
+  result.shard_names.erase(std::unique(result.shard_names.begin(), result.shard_names.end()),
+                           result.shard_names.end());
+  for (const auto& [tensor, shard] : weight_map->members()) {
+    // A tensor listed twice: the last entry wins, as it did before.
+    result.shard_of[tensor] = static_cast<size_t>(
+        std::lower_bound(result.shard_names.begin(), result.shard_names.end(), shard.as_string()) -
+        result.shard_names.begin());
+  }
+  return result;
+}
+
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
   std::unique_ptr<Checkpoint> ckpt(new Checkpoint());
   ckpt->dir_ = dir;
@@ -86,33 +114,13 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   if (IsRegularFile(index_path)) {
     // Sharded: the index's weight_map names the shard of every tensor.
     HMOE_ASSIGN_OR_RETURN(const std::string index_text, ReadFileToString(index_path));
-    auto index_error = [&](absl::string_view problem) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, ": ", problem));
-    };
-    absl::StatusOr<json::Value> index = json::Parse(index_text);
-    if (!index.ok()) return index_error(index.status().message());
-    if (!index->is_object()) return index_error("not a JSON object");
-    const json::Value* weight_map = index->Find("weight_map");
-    if (weight_map == nullptr || !weight_map->is_object()) {
-      return index_error("missing or non-object \"weight_map\"");
+    absl::StatusOr<CheckpointIndex> parsed = ParseCheckpointIndex(index_text);
+    if (!parsed.ok()) {
+      return absl::Status(parsed.status().code(),
+                          absl::StrCat(index_path, ": ", parsed.status().message()));
     }
-    std::unordered_map<std::string, size_t> shard_of;  // tensor -> shard number
-    shard_of.reserve(weight_map->members().size());
-    std::vector<std::string> shard_names;
-    for (const auto& [tensor, shard] : weight_map->members()) {
-      if (!shard.is_string() || !IsPlainFileName(shard.as_string())) {
-        return index_error(
-            absl::StrCat("tensor \"", tensor, "\": shard is not a file name in the directory"));
-      }
-      shard_names.push_back(shard.as_string());
-    }
-    std::sort(shard_names.begin(), shard_names.end());
-    shard_names.erase(std::unique(shard_names.begin(), shard_names.end()), shard_names.end());
-    for (const auto& [tensor, shard] : weight_map->members()) {
-      shard_of[tensor] = static_cast<size_t>(
-          std::lower_bound(shard_names.begin(), shard_names.end(), shard.as_string()) -
-          shard_names.begin());
-    }
+    const std::vector<std::string>& shard_names = parsed->shard_names;
+    const std::map<std::string, size_t>& shard_of = parsed->shard_of;
     for (const std::string& name : shard_names) {
       const std::string shard_path = JoinPath(dir, name);
       absl::StatusOr<std::unique_ptr<SafetensorsFile>> shard = SafetensorsFile::Open(shard_path);
@@ -141,7 +149,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
       }
     }
     for (const auto& [tensor, entry] : ckpt->index_) {
-      const size_t s = found_in[tensor];
+      const size_t s = found_in.at(tensor);
       const auto listed = shard_of.find(tensor);
       if (listed == shard_of.end()) {
         return absl::InvalidArgumentError(absl::StrCat(context, ": tensor \"", tensor,
@@ -154,8 +162,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
                          kIndexFile, " lists it in shard ", shard_names[listed->second]));
       }
     }
-    for (const auto& [tensor, shard] : weight_map->members()) {
-      const size_t s = shard_of[tensor];
+    for (const auto& [tensor, s] : shard_of) {
       if (found_in.find(tensor) == found_in.end()) {
         return absl::InvalidArgumentError(
             absl::StrCat(context, ": tensor \"", tensor, "\" is listed in ", kIndexFile,

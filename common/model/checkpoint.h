@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -16,6 +17,16 @@
 #include "common/model/tensor.h"
 
 namespace hmoe {
+
+// model.safetensors.index.json, parsed: the shard of every tensor of "weight_map".
+struct CheckpointIndex {
+  std::vector<std::string> shard_names;    // sorted, unique
+  std::map<std::string, size_t> shard_of;  // tensor -> index into shard_names
+};
+
+// Parses the (untrusted) index text. InvalidArgument naming the problem (not JSON, no object
+// "weight_map", a shard that is not a plain file name in the directory); the caller adds the path.
+absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(std::string_view text);
 
 class Checkpoint final : public WeightSource {
  public:

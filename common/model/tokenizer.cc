@@ -141,10 +141,16 @@ bool IsCjkKana(const Unit& u) {
   return (u.cp >= 0x4E00 && u.cp <= 0x9FA5) || (u.cp >= 0x3040 && u.cp <= 0x30FF);
 }
 
+// The length of the run of units satisfying `pred` from `pos`, looking at no more than `max` of
+// them (plus the one that ends the run). Every scanner below is built from this and consumes
+// what it looks at, so that pre-tokenizing is linear in the text (see ThreadTokenizerWork).
 template <typename Pred>
-size_t RunLength(const std::vector<Unit>& u, size_t pos, size_t end, Pred pred) {
+size_t RunLength(const std::vector<Unit>& u, size_t pos, size_t end, Pred pred,
+                 size_t max = SIZE_MAX) {
+  const size_t limit = end - pos < max ? end : pos + max;
   size_t i = pos;
-  while (i < end && pred(u[i])) ++i;
+  while (i < limit && pred(u[i])) ++i;
+  ThreadTokenizerWork().scan_steps += i - pos + 1;
   return i - pos;
 }
 
@@ -155,7 +161,10 @@ size_t MatchWhitespace(const std::vector<Unit>& u, size_t pos, size_t end, bool 
       RunLength(u, pos, end, [](const Unit& x) { return x.cls == CharClass::kSpace; });
   if (with_newline_rule) {
     // \s* backtracks to the last CR/LF of the run; [\r\n]+ takes it.
+    // Linear: the match (up to the last CR/LF) or, without one, all but at most one unit of the
+    // run is consumed.
     for (size_t i = pos + run; i > pos; --i) {
+      ++ThreadTokenizerWork().scan_steps;
       if (IsCrLf(u[i - 1])) return i - pos;
     }
   }
@@ -165,8 +174,10 @@ size_t MatchWhitespace(const std::vector<Unit>& u, size_t pos, size_t end, bool 
 }
 
 size_t MatchDigits3(const std::vector<Unit>& u, size_t pos, size_t end) {
-  return std::min<size_t>(
-      3, RunLength(u, pos, end, [](const Unit& x) { return x.cls == CharClass::kNumber; }));
+  // Looks at 3 units at most: scanning the whole digit run at every match made a run of n digits
+  // cost n^2/6 steps (issue 16: 1 MB of digits took 98 s).
+  return RunLength(
+      u, pos, end, [](const Unit& x) { return x.cls == CharClass::kNumber; }, 3);
 }
 
 size_t MatchCjkKana(const std::vector<Unit>& u, size_t pos, size_t end) {
@@ -242,6 +253,11 @@ size_t MatchRule(SplitRule rule, const std::vector<Unit>& u, size_t pos, size_t 
 }
 
 }  // namespace
+
+TokenizerWork& ThreadTokenizerWork() {
+  thread_local TokenizerWork work;
+  return work;
+}
 
 uint32_t ByteToCodePoint(uint8_t b) { return GetByteMap().byte_to_cp[b]; }
 
@@ -601,14 +617,18 @@ absl::Status Tokenizer::ParseTokenizerJson(std::string_view text) {
       added_.push_back(std::move(token));
     }
   }
+  added_trie_token_.assign(1, -1);
   for (size_t i = 0; i < added_.size(); ++i) {
-    added_by_first_byte_[static_cast<uint8_t>(added_[i].content[0])].push_back(
-        static_cast<int32_t>(i));
-  }
-  for (auto& list : added_by_first_byte_) {
-    std::stable_sort(list.begin(), list.end(), [this](int32_t a, int32_t b) {
-      return added_[a].content.size() > added_[b].content.size();
-    });
+    int32_t node = 0;
+    for (char c : added_[i].content) {
+      const uint64_t key = (static_cast<uint64_t>(node) << 8) | static_cast<uint8_t>(c);
+      const auto [it, inserted] =
+          added_trie_next_.emplace(key, static_cast<int32_t>(added_trie_token_.size()));
+      if (inserted) added_trie_token_.push_back(-1);
+      node = it->second;
+    }
+    // The same content twice (same id: checked above): the first entry wins.
+    if (added_trie_token_[node] < 0) added_trie_token_[node] = static_cast<int32_t>(i);
   }
 
   // Bytes of every token, as Hugging Face's ByteLevel decoder computes them: through the byte map
@@ -620,11 +640,16 @@ absl::Status Tokenizer::ParseTokenizerJson(std::string_view text) {
     }
   }
 
+  for (const std::string& bytes : id_to_bytes_)
+    max_token_bytes_ = std::max(max_token_bytes_, bytes.size());
+
+  all_bytes_have_tokens_ = true;
   for (int b = 0; b < 256; ++b) {
     std::string ch;
     internal::AppendUtf8(internal::ByteToCodePoint(static_cast<uint8_t>(b)), &ch);
     const auto it = token_to_id_.find(ch);
     byte_ids_[b] = it == token_to_id_.end() ? -1 : it->second;
+    if (byte_ids_[b] < 0) all_bytes_have_tokens_ = false;
   }
 
   // merges
@@ -722,11 +747,18 @@ absl::Status Tokenizer::ParseConfigJson(std::string_view text) {
 // ------------------------------------------------------------------------------------ encoding
 
 const Tokenizer::AddedToken* Tokenizer::MatchAddedAt(std::string_view text, size_t pos) const {
-  for (int32_t index : added_by_first_byte_[static_cast<uint8_t>(text[pos])]) {
-    const AddedToken& token = added_[index];
-    if (text.substr(pos, token.content.size()) == token.content) return &token;
+  const AddedToken* longest = nullptr;
+  int32_t node = 0;
+  size_t i = pos;
+  for (; i < text.size(); ++i) {
+    const auto it =
+        added_trie_next_.find((static_cast<uint64_t>(node) << 8) | static_cast<uint8_t>(text[i]));
+    if (it == added_trie_next_.end()) break;
+    node = it->second;
+    if (added_trie_token_[node] >= 0) longest = &added_[added_trie_token_[node]];
   }
-  return nullptr;
+  internal::ThreadTokenizerWork().added_steps += i - pos + 1;
+  return longest;
 }
 
 std::vector<Tokenizer::AddedMatch> Tokenizer::FindAddedTokens(std::string_view text) const {
@@ -797,7 +829,10 @@ void Tokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* ids) c
       return rank != o.rank ? rank > o.rank : pos > o.pos;
     }
   };
+  // Each symbol is merged away at most once and each merge queues at most two candidates, so the
+  // queue sees O(n) pushes and pops: O(n log n) for a piece of n bytes, however long.
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> queue;
+  uint64_t heap_ops = 0;
   const auto consider = [&](int32_t left) {
     if (left < 0) return;
     const int32_t right = symbols[left].next;
@@ -807,11 +842,13 @@ void Tokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* ids) c
     const auto it = merges_.find(key);
     if (it == merges_.end()) return;
     queue.push({it->second.rank, left, symbols[left].id, symbols[right].id, it->second.new_id});
+    ++heap_ops;
   };
   for (int32_t i = 0; i + 1 < static_cast<int32_t>(symbols.size()); ++i) consider(i);
   while (!queue.empty()) {
     const Candidate c = queue.top();
     queue.pop();
+    ++heap_ops;
     Symbol& left = symbols[c.pos];
     // Stale entries: the left symbol was merged away or changed, or its neighbour changed.
     if (left.id != c.left_id || left.next < 0 || symbols[left.next].id != c.right_id) continue;
@@ -825,29 +862,52 @@ void Tokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* ids) c
     consider(left.prev);
     consider(c.pos);
   }
+  internal::ThreadTokenizerWork().bpe_heap_ops += heap_ops;
   for (int32_t i = 0; i >= 0; i = symbols[i].next) ids->push_back(symbols[i].id);
 }
 
-void Tokenizer::EncodeText(std::string_view text, std::vector<int32_t>* ids) const {
-  for (std::string_view piece : internal::PreTokenize(text, rules_)) EncodePiece(piece, ids);
+bool Tokenizer::EncodeText(std::string_view text, size_t max_tokens,
+                           std::vector<int32_t>* ids) const {
+  for (std::string_view piece : internal::PreTokenize(text, rules_)) {
+    // A lower bound on the piece's tokens, before spending BPE on it.
+    if (all_bytes_have_tokens_ &&
+        ids->size() + (piece.size() + max_token_bytes_ - 1) / max_token_bytes_ > max_tokens) {
+      return false;
+    }
+    EncodePiece(piece, ids);
+    if (ids->size() > max_tokens) return false;
+  }
+  return true;
+}
+
+bool Tokenizer::EncodeLimited(std::string_view text, bool add_bos, bool parse_special,
+                              size_t max_tokens, std::vector<int32_t>* ids) const {
+  ids->reserve(std::min(text.size() / 3, max_tokens) + 2);
+  if (add_bos && bos_id_ >= 0) ids->push_back(bos_id_);
+  if (ids->size() > max_tokens) return false;
+  if (!parse_special || added_.empty()) return EncodeText(text, max_tokens, ids);
+  size_t pos = 0;
+  for (const AddedMatch& m : FindAddedTokens(text)) {
+    if (!EncodeText(text.substr(pos, m.begin - pos), max_tokens, ids)) return false;
+    ids->push_back(m.id);
+    if (ids->size() > max_tokens) return false;
+    pos = m.end;
+  }
+  return EncodeText(text.substr(pos), max_tokens, ids);
 }
 
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos,
                                        bool parse_special) const {
   std::vector<int32_t> ids;
-  ids.reserve(text.size() / 3 + 2);
-  if (add_bos && bos_id_ >= 0) ids.push_back(bos_id_);
-  if (!parse_special || added_.empty()) {
-    EncodeText(text, &ids);
-    return ids;
-  }
-  size_t pos = 0;
-  for (const AddedMatch& m : FindAddedTokens(text)) {
-    EncodeText(text.substr(pos, m.begin - pos), &ids);
-    ids.push_back(m.id);
-    pos = m.end;
-  }
-  EncodeText(text.substr(pos), &ids);
+  EncodeLimited(text, add_bos, parse_special, SIZE_MAX, &ids);
+  return ids;
+}
+
+std::optional<std::vector<int32_t>> Tokenizer::EncodeWithin(std::string_view text, bool add_bos,
+                                                            bool parse_special,
+                                                            size_t max_tokens) const {
+  std::vector<int32_t> ids;
+  if (!EncodeLimited(text, add_bos, parse_special, max_tokens, &ids)) return std::nullopt;
   return ids;
 }
 

@@ -61,7 +61,17 @@ class Tokenizer {
   // Token ids of `text` (any bytes; UTF-8 expected). With `add_bos` and a known BOS, the BOS id
   // comes first. With `parse_special` false, added/special token strings in `text` are tokenized
   // as plain text (use this for untrusted user content that must not inject control tokens).
+  // Time O(n log n) in the text's length n (linear pre-tokenizing and added-token matching, BPE
+  // with a heap over a linked list of symbols), whatever the text: docs/tokenizer.md.
   std::vector<int32_t> Encode(std::string_view text, bool add_bos, bool parse_special = true) const;
+
+  // Encode with a limit, for untrusted input such as a prompt that must fit the context: the ids
+  // when there are at most `max_tokens` of them (BOS included), std::nullopt as soon as it is known
+  // that there are more. It stops at the first pre-token piece that passes the limit, and skips a
+  // piece outright when its length in bytes alone implies too many tokens (no token is longer than
+  // the longest vocabulary entry), so a huge over-long text costs little more than pre-tokenizing.
+  std::optional<std::vector<int32_t>> EncodeWithin(std::string_view text, bool add_bos,
+                                                   bool parse_special, size_t max_tokens) const;
 
   // The text of `ids`, always valid UTF-8: byte-level tokens are mapped back to bytes, added
   // tokens contribute their content (none when `skip_special_tokens` and the token is special),
@@ -145,9 +155,13 @@ class Tokenizer {
   absl::Status ParseTokenizerJson(std::string_view text);
   absl::Status ParseConfigJson(std::string_view text);
   // The added token that matches at `pos`, longest first; nullptr when none.
+  // Walks the trie of added tokens: O(length of the longest token that is a prefix there).
   const AddedToken* MatchAddedAt(std::string_view text, size_t pos) const;
   std::vector<AddedMatch> FindAddedTokens(std::string_view text) const;
-  void EncodeText(std::string_view text, std::vector<int32_t>* ids) const;
+  // Encode's body; false (ids incomplete) once more than `max_tokens` ids are certain.
+  bool EncodeLimited(std::string_view text, bool add_bos, bool parse_special, size_t max_tokens,
+                     std::vector<int32_t>* ids) const;
+  bool EncodeText(std::string_view text, size_t max_tokens, std::vector<int32_t>* ids) const;
   void EncodePiece(std::string_view piece, std::vector<int32_t>* ids) const;
 
   std::vector<std::string> id_to_token_;
@@ -159,8 +173,15 @@ class Tokenizer {
   bool ignore_merges_ = false;
   std::vector<internal::SplitRule> rules_;
   std::vector<AddedToken> added_;
-  // added_ indices by first byte of content, longest content first.
-  std::vector<int32_t> added_by_first_byte_[256];
+  // A byte trie of the added tokens' contents: node 0 is the root; the child of node n by byte b is
+  // added_trie_next_[(n << 8) | b]; added_trie_token_[n] is the added_ index whose content ends at
+  // node n, or -1.
+  std::unordered_map<uint64_t, int32_t> added_trie_next_;
+  std::vector<int32_t> added_trie_token_;
+  // The longest byte string of any token: a piece of n bytes has at least ceil(n / it) BPE tokens
+  // when every byte has a token (all_bytes_have_tokens_).
+  size_t max_token_bytes_ = 1;
+  bool all_bytes_have_tokens_ = false;
 
   int32_t bos_id_ = -1;
   int32_t eos_id_ = -1;

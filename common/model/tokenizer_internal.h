@@ -71,6 +71,16 @@ const std::vector<SplitRule>& DeepSeekV3Rules();
 std::vector<std::string_view> PreTokenize(std::string_view text,
                                           const std::vector<SplitRule>& rules);
 
+// Work done by this thread's encodes since the last reset, in steps that each cost O(1) (the heap
+// operations O(log n)): tests check that every part of Encode is linear in its input with these
+// counts instead of with timings. Reset by assigning {}.
+struct TokenizerWork {
+  uint64_t scan_steps = 0;    // units looked at by the pre-tokenizer's scanners
+  uint64_t bpe_heap_ops = 0;  // pushes and pops of BPE's merge queue
+  uint64_t added_steps = 0;   // trie steps matching added tokens
+};
+TokenizerWork& ThreadTokenizerWork();
+
 // Replaces ill-formed UTF-8 in `bytes` with U+FFFD, one per maximal ill-formed subpart (the
 // Unicode/WHATWG practice, as Rust's from_utf8_lossy does), appending to `out`. With
 // `hold_incomplete_tail`, a truncated but so-far valid sequence at the end is not converted:

@@ -318,5 +318,23 @@ TEST_F(ShardedCheckpointTest, GetTensorMissingIsNotFound) {
   EXPECT_THAT(s.message(), HasSubstr("\"nope\""));
 }
 
+TEST(CheckpointIndexTest, ParsesShardsSortedAndUnique) {
+  absl::StatusOr<CheckpointIndex> index = ParseCheckpointIndex(
+      R"({"metadata": {}, "weight_map": {"a": "s2.safetensors", "b": "s1.safetensors",
+          "c": "s2.safetensors"}})");
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->shard_names, (std::vector<std::string>{"s1.safetensors", "s2.safetensors"}));
+  EXPECT_EQ(index->shard_of, (std::map<std::string, size_t>{{"a", 1}, {"b", 0}, {"c", 1}}));
+}
+
+TEST(CheckpointIndexTest, MalformedIndexesAreInvalidArgument) {
+  for (const char* bad : {"", "[]", "{", R"({"weight_map": []})", R"({"weight_map": {"a": 1}})",
+                          R"({"weight_map": {"a": "../x"}})", R"({"weight_map": {"a": ".."}})",
+                          R"({"weight_map": {"a": ""}})", R"({"weight_map": {"a": "d/x"}})"}) {
+    absl::StatusOr<CheckpointIndex> index = ParseCheckpointIndex(bad);
+    EXPECT_EQ(index.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 }  // namespace
 }  // namespace hmoe

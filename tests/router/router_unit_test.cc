@@ -8,8 +8,10 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 #include "common/model/tokenizer.h"
+#include "common/model/tokenizer_internal.h"
 #include "router/clock.h"
 #include "router/policy.h"
 #include "router/validation.h"
@@ -91,6 +93,9 @@ TEST(ValidationTest, HeartbeatPeriodFollowsTheTimeoutAndMustFitTwiceInIt) {
       {{1000, 501}, "must be at least twice --heartbeat_interval_ms (501)"},
       {{1, 0}, "--heartbeat_timeout_ms must be >= 2"},
       {{3000, -5}, "--heartbeat_interval_ms >= 0"},
+      // tests/fuzz request_validator: 2 * interval overflowed int (UBSan) and let this through.
+      {{269488138, 1896878096}, "must be at least twice --heartbeat_interval_ms (1896878096)"},
+      {{1000, INT32_MAX}, "must be at least twice"},
   };
   for (const auto& [flags, why] : bad) {
     const absl::StatusOr<int> r = ResolveHeartbeatIntervalMs(flags.first, flags.second);
@@ -248,6 +253,28 @@ TEST(ValidationTest, TextPromptIsEncodedWithoutParsingSpecials) {
   ASSERT_TRUE(ids.ok()) << ids.status();
   for (int32_t id : *ids) EXPECT_NE(id, kBuiltEosId);
   EXPECT_GT(ids->size(), 1u);
+}
+
+TEST(ValidationTest, TextPromptOverTheContextIsRejectedWhileEncoding) {
+  std::unique_ptr<Tokenizer> t = SmallTokenizer();  // no merges: one token per byte
+  const ModelLimits limits{.vocab_size = t->vocab_size(), .context_length = 64};
+  const size_t bos = t->add_bos_token() ? 1 : 0;
+  v1::GenerateRequest r = GoodRequest();
+  r.set_max_new_tokens(8);  // room for 56 prompt tokens
+  r.set_prompt_text(std::string(56 - bos, '7'));
+  absl::StatusOr<std::vector<int32_t>> ids = ResolvePrompt(r, limits, t.get());
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(ids->size(), 56u);
+  r.set_prompt_text(std::string(57 - bos, '7'));
+  EXPECT_EQ(ResolvePrompt(r, limits, t.get()).status().code(), absl::StatusCode::kInvalidArgument);
+  // 1 MB of digits (issue 16): rejected without running BPE over it.
+  r.set_prompt_text(std::string(1 << 20, '7'));
+  ASSERT_TRUE(ValidateGenerateRequest(r, limits, t.get()).ok());
+  internal::ThreadTokenizerWork() = {};
+  const absl::Status s = ResolvePrompt(r, limits, t.get()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "prompt_text: prompt longer than 56 tokens")) << s;
+  EXPECT_LT(internal::ThreadTokenizerWork().bpe_heap_ops, 1000u);
 }
 
 // ------------------------------------------------------------------------------------ policy

@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -597,6 +600,153 @@ TEST(TokenizerBuilderTest, WriteThenLoadFromDirectory) {
   EXPECT_EQ((*t)->vocab_size(), 512);
   EXPECT_EQ((*t)->Decode((*t)->Encode("round trip ✓", true), true), "round trip ✓");
   std::filesystem::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------- linearity
+
+// Issue 16, finding 8: every part of Encode is linear in its input (BPE: n log n), checked on
+// 1 MiB adversarial inputs with the deterministic work counters of internal::TokenizerWork, not
+// with timings (no timed assertions; the times are printed for the record). The bounds per input
+// byte follow from the code:
+//  - scan steps <= 12: each scanner call looks at the units it consumes plus at most 2 more (the
+//    ones that end its runs), one match consumes >= 1 unit, and the whitespace rule looks back
+//    once over a run it then consumes: <= 4 per unit and rule, 3 rules (DeepSeek-V3; GPT-2 has 1).
+//    The old \p{N}{1,3} scanner took n^2/6 steps on a run of n digits (1.8e11 for 1 MiB).
+//  - BPE heap operations <= 6: n - 1 initial candidates, at most 2 more per merge (n - 1 merges at
+//    most), each popped at most once.
+//  - added-token trie steps <= 1 + the longest added token (27 bytes here) per byte: the walk at a
+//    position stops at the first byte that no added token continues.
+constexpr size_t kMiB = size_t{1} << 20;
+
+std::string RepeatTo(std::string_view unit, size_t bytes) {
+  std::string out;
+  out.reserve(bytes + unit.size());
+  while (out.size() + unit.size() <= bytes) out.append(unit);
+  return out;
+}
+
+// Deterministic English-like text: words, spaces, punctuation, digits and newlines.
+std::string PlainText(size_t bytes) {
+  static const char* const kWords[] = {
+      "the",  "model",  "of",    "a",     "tokenizer", "splits", "text",   "into", "pieces",
+      "and",  "merges", "bytes", "by",    "rank",      "while",  "people", "read", "numbers",
+      "like", "2024",   "or",    "3.14,", "then",      "write",  "again.", "It's", "fine"};
+  std::mt19937 rng(7);
+  std::string out;
+  out.reserve(bytes + 16);
+  while (out.size() < bytes) {
+    out += kWords[rng() % std::size(kWords)];
+    out += rng() % 12 == 0 ? "\n" : " ";
+  }
+  out.resize(bytes);
+  return out;
+}
+
+struct Work {
+  internal::TokenizerWork counts;
+  double seconds = 0;
+  size_t tokens = 0;
+};
+
+Work MeasureEncode(const Tokenizer& t, std::string_view text, bool parse_special) {
+  internal::ThreadTokenizerWork() = {};
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<int32_t> ids = t.Encode(text, /*add_bos=*/false, parse_special);
+  Work w;
+  w.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  w.counts = internal::ThreadTokenizerWork();
+  w.tokens = ids.size();
+  return w;
+}
+
+TEST(TokenizerLinearityTest, AdversarialMegabyteInputsDoLinearWork) {
+  const Tokenizer& t = BuiltTokenizer1024();
+  const std::string plain = PlainText(kMiB);
+  std::string long_word;  // the plain text's letters alone: one 1 MiB pre-token
+  for (char c : plain) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) long_word += c;
+  }
+  while (long_word.size() < kMiB) long_word += long_word;
+  long_word.resize(kMiB);
+  const struct {
+    const char* name;
+    std::string text;
+  } inputs[] = {
+      {"plain text", plain},
+      {"digits", RepeatTo("1234567890", kMiB)},
+      {"arabic-indic digits", RepeatTo("\u0663\u0664", kMiB)},
+      {"spaces", RepeatTo(" ", kMiB)},
+      {"spaces then a letter", RepeatTo(" ", kMiB - 1) + "x"},
+      {"mixed whitespace", RepeatTo(" \t\u00a0\u3000", kMiB)},
+      {"newlines and spaces", RepeatTo(" \n ", kMiB)},
+      {"combining marks", "e" + RepeatTo("\u0301", kMiB - 1)},
+      {"marks alone", RepeatTo("\u0301\u0302", kMiB)},
+      {"one long word", long_word},
+      {"punctuation", RepeatTo("!", kMiB)},
+      {"punctuation and newlines", RepeatTo("?\n", kMiB)},
+      {"ascii punct letter", RepeatTo(",a", kMiB)},
+      {"apostrophes", RepeatTo("'s", kMiB)},
+      {"cjk", RepeatTo("中文", kMiB)},
+      {"emoji", RepeatTo("\U0001F600", kMiB)},
+      {"invalid utf-8", RepeatTo("\xff", kMiB)},
+      {"added token prefixes", RepeatTo("<", kMiB)},
+      {"long added token prefixes", RepeatTo("<｜begin▁of▁sentence", kMiB)},
+  };
+  const Work base = MeasureEncode(t, plain, /*parse_special=*/true);
+  for (const auto& input : inputs) {
+    SCOPED_TRACE(input.name);
+    const double bytes = static_cast<double>(input.text.size());
+    ASSERT_GE(bytes, kMiB - 64);
+    const Work w = MeasureEncode(t, input.text, /*parse_special=*/true);
+    EXPECT_LE(w.counts.scan_steps, 12 * bytes);
+    EXPECT_LE(w.counts.bpe_heap_ops, 6 * bytes);
+    EXPECT_LE(w.counts.added_steps, 28 * bytes);
+    internal::ThreadTokenizerWork() = {};
+    internal::PreTokenize(input.text, {internal::SplitRule::kGpt2});
+    const uint64_t gpt2_steps = internal::ThreadTokenizerWork().scan_steps;
+    EXPECT_LE(gpt2_steps, 4 * bytes);
+    std::printf(
+        "%-26s %8zu tokens  scan %5.2f/B  gpt2 %4.2f/B  heap %4.2f/B  added %5.2f/B  "
+        "%7.3f s = %5.2f x plain text\n",
+        input.name, w.tokens, w.counts.scan_steps / bytes, gpt2_steps / bytes,
+        w.counts.bpe_heap_ops / bytes, w.counts.added_steps / bytes, w.seconds,
+        w.seconds / base.seconds);
+  }
+}
+
+TEST(TokenizerLinearityTest, LongDigitRunsEncodeAsTheirGroupsOfThree) {
+  const Tokenizer& t = BuiltTokenizer1024();
+  // 30 digits are 10 whole groups of 3, so the encoding of the repeated run is the encoding of one
+  // period repeated.
+  const std::string period = "123456789012345678901234567890";
+  const std::vector<int32_t> one = t.Encode(period, false);
+  const std::string run = RepeatTo(period, kMiB);
+  const std::vector<int32_t> ids = t.Encode(run, false);
+  ASSERT_EQ(ids.size(), one.size() * (run.size() / period.size()));
+  for (size_t i = 0; i < ids.size(); ++i) ASSERT_EQ(ids[i], one[i % one.size()]) << i;
+  const std::vector<std::string> pieces = Pieces(RepeatTo("9", 3002));
+  ASSERT_EQ(pieces.size(), 1001u);
+  EXPECT_EQ(pieces.back(), "99");
+}
+
+TEST(TokenizerLinearityTest, EncodeWithinStopsAtTheLimit) {
+  const Tokenizer& t = BuiltTokenizer1024();
+  const std::string text = PlainText(4096);
+  const std::vector<int32_t> all = t.Encode(text, /*add_bos=*/true);
+  ASSERT_GT(all.size(), 100u);
+  std::optional<std::vector<int32_t>> within = t.EncodeWithin(text, true, true, all.size());
+  ASSERT_TRUE(within.has_value());
+  EXPECT_EQ(*within, all);
+  EXPECT_FALSE(t.EncodeWithin(text, true, true, all.size() - 1).has_value());
+  EXPECT_FALSE(t.EncodeWithin("a", /*add_bos=*/true, true, 0).has_value());  // BOS counts
+  EXPECT_EQ(t.EncodeWithin("", false, true, 0), std::vector<int32_t>());
+  // Over-long inputs stop early: plain text after the piece that passes the limit; one huge piece
+  // before its BPE (its bytes alone imply too many tokens).
+  for (const std::string& big : {PlainText(kMiB), RepeatTo("abcdefgh", kMiB)}) {
+    internal::ThreadTokenizerWork() = {};
+    EXPECT_FALSE(t.EncodeWithin(big, true, false, 100).has_value());
+    EXPECT_LT(internal::ThreadTokenizerWork().bpe_heap_ops, 100u * 6 * 16);
+  }
 }
 
 }  // namespace
