@@ -124,6 +124,66 @@ __attribute__((noipa, target("avx512f"))) float ReadSumStreams4Avx512(const std:
   return out[0];
 }
 
+__attribute__((noipa, target("avx2,fma"))) float PeakF32Avx2(int64_t iters) {
+  __m256 acc[kPeakAcc];
+  for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  }
+  for (int i = 1; i < kPeakAcc; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  return _mm256_cvtss_f32(acc[0]);
+}
+
+__attribute__((noipa, target("avx512f"))) float PeakF32Avx512(int64_t iters) {
+  __m512 acc[kPeakAcc];
+  for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  }
+  for (int i = 1; i < kPeakAcc; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  return _mm512_cvtss_f32(acc[0]);
+}
+
+__attribute__((noipa, target("avx512f,avx512bf16"))) float PeakBf16Avx512(int64_t iters) {
+  __m512 acc[kPeakAcc];
+  for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3a80);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+  }
+  for (int i = 1; i < kPeakAcc; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  return _mm512_cvtss_f32(acc[0]);
+}
+
+__attribute__((noipa, target("avx512f,avx512vnni"))) float PeakInt8Avx512(int64_t iters) {
+  __m512i acc[kPeakAcc];
+  for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+  }
+  for (int i = 1; i < kPeakAcc; ++i) acc[0] = _mm512_add_epi32(acc[0], acc[i]);
+  return static_cast<float>(_mm_cvtsi128_si32(_mm512_castsi512_si128(acc[0])));
+}
+
+__attribute__((noipa, target("avx2,avxvnni"))) float PeakInt8AvxVnni(int64_t iters) {
+  __m256i acc[kPeakAcc];
+  for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm256_set1_epi32(i);
+  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(5);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kPeakAcc; ++i) acc[i] = _mm256_dpbusd_avx_epi32(acc[i], a, b);
+  }
+  for (int i = 1; i < kPeakAcc; ++i) acc[0] = _mm256_add_epi32(acc[0], acc[i]);
+  return static_cast<float>(_mm_cvtsi128_si32(_mm256_castsi256_si128(acc[0])));
+}
+
 }  // namespace
 
 HugeBuffer::HugeBuffer(size_t bytes) : bytes_(bytes) {
@@ -268,6 +328,84 @@ void SplitRows(int64_t rows, int t, int n, int64_t* begin, int64_t* end) {
   const int64_t blocks = (rows + 127) / 128;
   *begin = std::min(rows, blocks * t / n * 128);
   *end = std::min(rows, blocks * (t + 1) / n * 128);
+}
+
+const char* MixName(Mix m) {
+  switch (m) {
+    case Mix::kF32FmaAvx2:
+      return "f32_fma_avx2";
+    case Mix::kF32FmaAvx512:
+      return "f32_fma_avx512";
+    case Mix::kBf16DotAvx512:
+      return "bf16_dot_vdpbf16ps";
+    case Mix::kInt8DotAvx512Vnni:
+      return "int8_dot_vpdpbusd_zmm";
+    case Mix::kInt8DotAvxVnni:
+      return "int8_dot_vpdpbusd_ymm";
+  }
+  return "?";
+}
+
+bool MixSupported(Mix m) {
+  __builtin_cpu_init();
+  switch (m) {
+    case Mix::kF32FmaAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Mix::kF32FmaAvx512:
+      return __builtin_cpu_supports("avx512f");
+    case Mix::kBf16DotAvx512:
+      return __builtin_cpu_supports("avx512bf16");
+    case Mix::kInt8DotAvx512Vnni:
+      return __builtin_cpu_supports("avx512vnni");
+    case Mix::kInt8DotAvxVnni:
+      return __builtin_cpu_supports("avxvnni");
+  }
+  return false;
+}
+
+// Ops (2 per multiply-add) of one instruction of the mix.
+double OpsPerInstruction(Mix m) {
+  switch (m) {
+    case Mix::kF32FmaAvx2:
+      return 16;  // 8 lanes
+    case Mix::kF32FmaAvx512:
+      return 32;  // 16 lanes
+    case Mix::kBf16DotAvx512:
+      return 64;  // 16 lanes x 2 products
+    case Mix::kInt8DotAvx512Vnni:
+      return 128;  // 16 lanes x 4 products
+    case Mix::kInt8DotAvxVnni:
+      return 64;  // 8 lanes x 4 products
+  }
+  return 0;
+}
+
+float RunPeakLoop(Mix m, int64_t iters) {
+  switch (m) {
+    case Mix::kF32FmaAvx2:
+      return PeakF32Avx2(iters);
+    case Mix::kF32FmaAvx512:
+      return PeakF32Avx512(iters);
+    case Mix::kBf16DotAvx512:
+      return PeakBf16Avx512(iters);
+    case Mix::kInt8DotAvx512Vnni:
+      return PeakInt8Avx512(iters);
+    case Mix::kInt8DotAvxVnni:
+      return PeakInt8AvxVnni(iters);
+  }
+  return 0;
+}
+
+// The instruction mix of an FP8 GEMV variant's inner loop.
+Mix MixOf(cpu::CpuIsa isa) {
+  switch (isa) {
+    case cpu::CpuIsa::kAvx512Bf16:
+      return Mix::kBf16DotAvx512;
+    case cpu::CpuIsa::kAvx512:
+      return Mix::kF32FmaAvx512;
+    default:
+      return Mix::kF32FmaAvx2;
+  }
 }
 
 }  // namespace hmoe::bench

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/kernels/cpu/fp8_gemv.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
 
 namespace hmoe::bench {
@@ -87,5 +88,22 @@ double TimedReadKernelGBps(CpuWorkerPool& pool, ReadKernel kernel, const std::by
 
 // Rows [begin, end) of `rows` for thread t of n, on multiples of 128 rows (scale blocks).
 void SplitRows(int64_t rows, int t, int n, int64_t* begin, int64_t* end);
+
+// Register-only peak loops per instruction mix (hmoe_kernels_bench's BM_Peak, hmoe_gemm_bench's
+// peak fractions): kPeakAcc independent accumulators (more than latency x throughput of every core
+// we use), no memory operands. Ops count 2 per multiply-add.
+enum class Mix { kF32FmaAvx2, kF32FmaAvx512, kBf16DotAvx512, kInt8DotAvx512Vnni, kInt8DotAvxVnni };
+inline constexpr Mix kAllMixes[] = {Mix::kF32FmaAvx2, Mix::kF32FmaAvx512, Mix::kBf16DotAvx512,
+                                    Mix::kInt8DotAvx512Vnni, Mix::kInt8DotAvxVnni};
+inline constexpr int kPeakAcc = 12;
+const char* MixName(Mix m);
+bool MixSupported(Mix m);
+// Ops (2 per multiply-add) of one instruction of the mix.
+double OpsPerInstruction(Mix m);
+// Runs `iters` iterations of kPeakAcc instructions of `m` (which the CPU must support); the
+// result only defeats dead-code elimination.
+float RunPeakLoop(Mix m, int64_t iters);
+// The instruction mix of an FP8 GEMV (or GEMM) variant's inner loop.
+Mix MixOf(cpu::CpuIsa isa);
 
 }  // namespace hmoe::bench

@@ -1,6 +1,7 @@
 // FP8 GEMM (issue #15): Fp8Gemm against the GEMV's GemmRows on the same rows, for M tokens, with
 // every case given as a fraction of a register-only peak of its instruction mix measured in the
-// same run (vdpbf16ps for the AVX-512 BF16 variant, F32 FMA on zmm / ymm for the others).
+// same run (bench_util's peak loops: vdpbf16ps for the AVX-512 BF16 variant, F32 FMA on zmm / ymm
+// for the others).
 // FLOPs are 2 per weight multiply applied (rows * cols * M * 2). Weights are one matrix reused
 // across iterations (a compute-bound kernel from 16 tokens on; the GEMV's cold-weight speed is
 // hmoe_kernels_bench's subject).
@@ -20,16 +21,8 @@
 #include <string>
 #include <vector>
 
-#include <benchmark/benchmark.h>
-
-// GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include "absl/strings/str_cat.h"
+#include <benchmark/benchmark.h>
 
 #include "common/base/logging.h"
 #include "common/kernels/cpu/fp8_gemm.h"
@@ -45,50 +38,6 @@ using cpu::CpuIsa;
 
 constexpr int64_t kPeakIters = 1 << 20;
 
-// 16 independent vdpbf16ps chains (latency hidden on any core with <= 8 cycles x 2 ports).
-__attribute__((target("avx512f,avx512bf16"), noinline)) float PeakDpbf16(int64_t iters) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]));
-  }
-  float s = 0;
-  for (int i = 0; i < 16; ++i) s += _mm512_cvtss_f32(acc[i]);
-  return s;
-}
-
-__attribute__((target("avx512f"), noinline)) float PeakFma512(int64_t iters) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-7f);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-    __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]));
-  }
-  float s = 0;
-  for (int i = 0; i < 16; ++i) s += _mm512_cvtss_f32(acc[i]);
-  return s;
-}
-
-__attribute__((target("avx2,fma"), noinline)) float PeakFma256(int64_t iters) {
-  __m256 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
-  const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-7f);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-    __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]));
-  }
-  float s = 0;
-  for (int i = 0; i < 12; ++i) s += _mm256_cvtss_f32(acc[i]);
-  return s;
-}
-
 volatile float g_sink = 0;
 
 // CPU time of the calling thread, in seconds: on a shared machine, the compute rate of a core while
@@ -99,28 +48,19 @@ double ThreadCpuSeconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-// GFLOP/s of one core for the instruction mix `isa`'s GEMM uses (2 FLOPs per multiply).
+// GFLOP/s of one core for the instruction mix `isa`'s GEMM uses (2 FLOPs per multiply): the best of
+// 3 runs of bench_util's peak loop, timed by the thread's CPU clock (see ThreadCpuSeconds).
 double PeakGflops(CpuIsa isa) {
-  // The best of 3 runs, timed by the thread's CPU clock (see ThreadCpuSeconds).
-  auto timed = [](auto fn, double flops_per_iter) {
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
-      const double t0 = ThreadCpuSeconds();
-      g_sink = g_sink + fn(kPeakIters);
-      best = std::max(best, flops_per_iter * kPeakIters / (ThreadCpuSeconds() - t0) * 1e-9);
-    }
-    return best;
-  };
-  switch (isa) {
-    case CpuIsa::kAvx512Bf16:
-      return timed(PeakDpbf16, 16 * 64.0);  // 16 lanes x 2 pairs x 2 FLOPs
-    case CpuIsa::kAvx512:
-      return timed(PeakFma512, 16 * 32.0);
-    case CpuIsa::kAvx2:
-      return timed(PeakFma256, 12 * 16.0);
-    default:
-      return 0;
+  if (isa == CpuIsa::kScalar) return 0;
+  const Mix mix = MixOf(isa);
+  const double flops_per_iter = kPeakAcc * OpsPerInstruction(mix);
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = ThreadCpuSeconds();
+    g_sink = g_sink + RunPeakLoop(mix, kPeakIters);
+    best = std::max(best, flops_per_iter * kPeakIters / (ThreadCpuSeconds() - t0) * 1e-9);
   }
+  return best;
 }
 
 // ----------------------------------------------------------------------- cases

@@ -1,7 +1,6 @@
 #include "common/kernels/cpu/fp8_gemm.h"
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -16,17 +15,13 @@
 namespace hmoe::cpu {
 namespace {
 
-constexpr int64_t kScaleBlock = 128;
-
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The portable fallback: plain loops over the definition in the header, activations packed as
-// BF16-rounded F32 rows.
+// The portable fallback: activations packed as BF16-rounded F32 rows of k floats, multiplied by the
+// scalar Fp8Gemv's loops (GemmRows over unpadded rows: the same sums in the same order per token).
 class ScalarFp8Gemm final : public Fp8Gemm {
  public:
-  ScalarFp8Gemm() {
-    for (int i = 0; i < 256; ++i) table_[i] = kernels::Fp8E4M3ToFloatBits(static_cast<uint8_t>(i));
-  }
+  ScalarFp8Gemm() : gemv_(*NewFp8Gemv(CpuIsa::kScalar)) {}
 
   CpuIsa isa() const override { return CpuIsa::kScalar; }
   int64_t TokenTile() const override { return 1; }
@@ -47,26 +42,13 @@ class ScalarFp8Gemm final : public Fp8Gemm {
 
   void Run(const Fp8MatrixView& w, const std::byte* packed, int64_t m, int64_t r_begin,
            int64_t r_end, float* y, int64_t y_stride, std::byte*) const override {
-    const float* xs = reinterpret_cast<const float*>(packed);
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      const uint8_t* row = w.data + r * w.row_stride;
-      const float* scales = w.scale_inv + (r / kScaleBlock) * w.scale_stride;
-      for (int64_t t = 0; t < m; ++t) {
-        const float* x = xs + t * w.cols;
-        float total = 0.0f;
-        for (int64_t k0 = 0; k0 < w.cols; k0 += kScaleBlock) {
-          const int64_t k1 = std::min(w.cols, k0 + kScaleBlock);
-          float block = 0.0f;
-          for (int64_t k = k0; k < k1; ++k) block += table_[row[k]] * x[k];
-          total += block * scales[k0 / kScaleBlock];
-        }
-        y[t * y_stride + (r - r_begin)] = total;
-      }
-    }
+    if (m == 0) return;  // GemmRows wants at least one token
+    gemv_->GemmRows(w, packed, w.cols * static_cast<int64_t>(sizeof(float)), m, r_begin, r_end, y,
+                    y_stride);
   }
 
  private:
-  std::array<float, 256> table_;
+  const std::unique_ptr<Fp8Gemv> gemv_;
 };
 
 // A per-thread 64-byte aligned buffer that grows on demand.
