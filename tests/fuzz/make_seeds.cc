@@ -1,10 +1,20 @@
 // Writes the generated part of the seed corpora (tests/fuzz/corpus/*/gen_*): inputs that need our
-// own serializers (the shm manifest, GenerateRequest protos, the fuzz tokenizer's JSON). Built with
+// own serializers (the shm manifest, GenerateRequest protos, the fuzz tokenizer's JSON, GGUF files
+// written by GgufWriter; the deepseek2 one from corpus/model_config/small.json). Built with
 // the fuzz targets; run by hand when a format changes:  build/fuzz/tests/fuzz/hmoe_fuzz_seeds
 // tests/fuzz/corpus
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "common/model/gguf.h"
+#include "common/model/gguf_model.h"
+#include "common/model/model_config.h"
 #include "common/shm/manifest.h"
 #include "proto/hmoe_v1.pb.h"
 #include "tests/fuzz/fuzz_tokenizer.h"
@@ -16,6 +26,100 @@ bool Write(const std::string& path, const std::string& bytes) {
   if (f == nullptr) return false;
   const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
   return std::fclose(f) == 0 && ok;
+}
+
+struct SeedTensor {
+  std::string name;
+  std::vector<int64_t> ne;
+  hmoe::GgmlType type;
+};
+
+// A GGUF file with `metadata` and `tensors`, whose data are deterministic pseudo-random bytes.
+bool WriteGguf(const std::string& path, uint32_t alignment,
+               const std::vector<std::pair<std::string, hmoe::GgufValue>>& metadata,
+               const std::vector<SeedTensor>& tensors) {
+  hmoe::GgufWriter w(path, alignment);
+  for (const auto& [key, value] : metadata) w.AddMetadata(key, value);
+  std::vector<size_t> sizes;
+  for (const SeedTensor& t : tensors) {
+    int64_t n = 1;
+    for (const int64_t d : t.ne) n *= d;
+    size_t bytes = 0;
+    const auto type = static_cast<uint32_t>(t.type);
+    if (!w.AddTensor(t.name, t.ne, type).ok() || !hmoe::GgmlBytes(type, n, &bytes).ok()) {
+      return false;
+    }
+    sizes.push_back(bytes);
+  }
+  if (!w.Begin().ok()) return false;
+  uint32_t x = 0x9e3779b9;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::vector<std::byte> data(sizes[i]);
+    for (std::byte& b : data) {
+      x = x * 1664525 + 1013904223;
+      b = static_cast<std::byte>(x >> 24);
+    }
+    if (!w.WriteTensorData(tensors[i].name, data).ok()) return false;
+  }
+  return w.Finish().ok();
+}
+
+bool WriteGgufSeeds(const std::string& dir) {
+  using hmoe::GgmlType;
+  using hmoe::GgufValue;
+  using hmoe::GgufValueType;
+  bool ok = true;
+  // Every dequantizable type, metadata of several types (arrays too), alignment 64 (the writer
+  // adds general.alignment).
+  ok &= WriteGguf(
+      dir + "/gguf/gen_types", 64,
+      {{"general.architecture", GgufValue::String("llama")},
+       {"test.flag", GgufValue::Bool(true)},
+       {"test.f32", GgufValue::F32(0.5f)},
+       {"test.i32", GgufValue::I32(-7)},
+       {"test.u64", GgufValue::U64(1)},
+       {"test.strings", GgufValue::Array(GgufValueType::kString,
+                                         {GgufValue::String("a"), GgufValue::String("bc")})},
+       {"test.nested",
+        GgufValue::Array(
+            GgufValueType::kArray,
+            {GgufValue::Array(GgufValueType::kU16, {GgufValue::U16(1), GgufValue::U16(2)})})}},
+      {{"f32", {8}, GgmlType::kF32},
+       {"f16", {16, 2}, GgmlType::kF16},
+       {"bf16", {16}, GgmlType::kBF16},
+       {"q8_0", {32}, GgmlType::kQ8_0},
+       {"q5_0", {32}, GgmlType::kQ5_0},
+       {"q4_k", {256}, GgmlType::kQ4_K},
+       {"q5_k", {256}, GgmlType::kQ5_K},
+       {"q6_k", {256, 1}, GgmlType::kQ6_K}});
+
+  // A deepseek2 file: the metadata of a small config (with the fuzz tokenizer), and a few small
+  // tensors (not the config's shapes: the seed stays small, ValidateGgufTensors reports them).
+  std::ifstream in(dir + "/model_config/small.json");
+  std::stringstream json;
+  json << in.rdbuf();
+  auto config = hmoe::ModelConfig::FromJson(json.str());
+  if (!config.ok()) {
+    std::fprintf(stderr, "small.json: %s\n", config.status().ToString().c_str());
+    return false;
+  }
+  config->vocab_size = 512;
+  config->num_hidden_layers = 2;
+  auto metadata = hmoe::GgufMetadataForConfig(*config, /*split_kv_b=*/true, /*file_type=*/7);
+  auto tok = hmoe::GgufTokenizerMetadata(hmoe::fuzz::FuzzTokenizerJson(),
+                                         hmoe::fuzz::FuzzTokenizerConfigJson(), config->vocab_size);
+  if (!tok.ok()) {
+    std::fprintf(stderr, "tokenizer metadata: %s\n", tok.status().ToString().c_str());
+    return false;
+  }
+  metadata.insert(metadata.end(), tok->begin(), tok->end());
+  ok &= WriteGguf(dir + "/gguf/gen_deepseek2", hmoe::kGgufDefaultAlignment, metadata,
+                  {{"output_norm.weight", {64}, GgmlType::kF32},
+                   {"blk.0.attn_k_b.weight", {64, 4, 2}, GgmlType::kQ8_0},
+                   {"blk.0.attn_v_b.weight", {128, 2, 2}, GgmlType::kQ8_0},
+                   {"blk.1.exp_probs_b.bias", {32}, GgmlType::kF32},
+                   {"blk.1.ffn_gate_exps.weight", {256, 2, 2}, GgmlType::kQ4_K}});
+  return ok;
 }
 
 }  // namespace
@@ -88,6 +192,7 @@ int main(int argc, char** argv) {
   // The fuzz tokenizer, as tokenizer.json + separator + tokenizer_config.json.
   ok &= Write(dir + "/tokenizer_json/gen_fuzz_tokenizer",
               hmoe::fuzz::FuzzTokenizerJson() + "\n---\n" + hmoe::fuzz::FuzzTokenizerConfigJson());
+  ok &= WriteGgufSeeds(dir);
   if (!ok) std::fprintf(stderr, "failed to write the seeds under %s\n", dir.c_str());
   return ok ? 0 : 1;
 }
