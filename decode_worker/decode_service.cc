@@ -24,22 +24,6 @@ constexpr absl::Duration kPollInterval = absl::Milliseconds(50);
 // (so the request's KV is free when the call ends).
 constexpr absl::Duration kCancelWait = absl::Seconds(2);
 
-v1::FinishReason ReasonToProto(FinishCause c) {
-  switch (c) {
-    case FinishCause::kEos:
-      return v1::FINISH_REASON_EOS;
-    case FinishCause::kStop:
-      return v1::FINISH_REASON_STOP;
-    case FinishCause::kLength:
-      return v1::FINISH_REASON_LENGTH;
-    case FinishCause::kCancelled:
-      return v1::FINISH_REASON_CANCELLED;
-    case FinishCause::kError:
-      return v1::FINISH_REASON_ERROR;
-  }
-  return v1::FINISH_REASON_UNSPECIFIED;
-}
-
 // Waits (bounded) for the finish event of a request the handler gave up on.
 void AwaitFinish(RequestChannel& channel) {
   const absl::Time deadline = absl::Now() + kCancelWait;
@@ -59,10 +43,6 @@ absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, Kv
   r.sampling.max_new_tokens = p.max_new_tokens();
   r.sampling.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   r.sampling.ignore_eos = p.ignore_eos();
-  if (p.max_new_tokens() < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_new_tokens: ", p.max_new_tokens(), " must be >= 1"));
-  }
   if (p.has_kv_handle()) {
     const v1::KvHandle& h = p.kv_handle();
     KvHandleSpec spec;
@@ -109,7 +89,7 @@ v1::AdmitResponse EventToProto(const RequestEvent& event) {
   } else {
     const auto& f = std::get<FinishEvent>(event);
     v1::Finished* p = out.mutable_finished();
-    p->set_reason(ReasonToProto(f.cause));
+    p->set_reason(rpc::FinishReasonToProto(f.reason));
     p->set_stop_token_id(f.stop_token);
     p->mutable_usage()->set_prompt_tokens(f.prompt_tokens);
     p->mutable_usage()->set_completion_tokens(f.completion_tokens);
@@ -150,7 +130,7 @@ grpc::Status DecodeServiceImpl::Admit(grpc::ServerContext* context, const v1::Ad
     const v1::AdmitResponse message = EventToProto(*event);
     const bool ok = writer->Write(message);
     if (const auto* f = std::get_if<FinishEvent>(&*event)) {
-      if (f->cause == FinishCause::kError) return ToGrpcStatus(f->error);
+      if (f->reason == FinishReason::kError) return ToGrpcStatus(f->error);
       return grpc::Status::OK;
     }
     if (!ok) {
@@ -201,6 +181,20 @@ grpc::Status DecodeServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
     response->set_step_per_token_us(s.step_cost->per_token_us);
   }
   return grpc::Status::OK;
+}
+
+rpc::WorkerLoadReport SchedulerLoadReport(const Scheduler& scheduler) {
+  const SchedulerStats s = scheduler.stats();
+  rpc::WorkerLoadReport r;
+  r.draining = s.draining;
+  r.running = s.running;
+  r.waiting = s.waiting;
+  r.batch_size = scheduler.options().batch_size;
+  r.max_waiting = scheduler.options().max_waiting;
+  r.kv_blocks_free = s.kv_blocks_free;
+  r.kv_blocks_total = s.kv_blocks_total;
+  r.tokens_per_second = s.tokens_per_second;
+  return r;
 }
 
 }  // namespace hmoe::decode

@@ -11,7 +11,8 @@
 #include "absl/status/statusor.h"
 #include <grpcpp/grpcpp.h>
 
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
+#include "common/rpc/registry_client.h"
 #include "decode_worker/request.h"
 #include "decode_worker/scheduler.h"
 #include "decode_worker/step_engine.h"
@@ -53,5 +54,8 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
   KvImporter* importer_;
   DecodeServiceInfo info_;
 };
+
+// The load the worker's heartbeats report to the router.
+rpc::WorkerLoadReport SchedulerLoadReport(const Scheduler& scheduler);
 
 }  // namespace hmoe::decode

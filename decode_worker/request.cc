@@ -4,22 +4,6 @@
 
 namespace hmoe::decode {
 
-const char* FinishCauseName(FinishCause cause) {
-  switch (cause) {
-    case FinishCause::kEos:
-      return "eos";
-    case FinishCause::kStop:
-      return "stop";
-    case FinishCause::kLength:
-      return "length";
-    case FinishCause::kCancelled:
-      return "cancelled";
-    case FinishCause::kError:
-      return "error";
-  }
-  return "?";
-}
-
 void RequestChannel::Push(RequestEvent event) {
   absl::MutexLock lock(&mu_);
   if (std::holds_alternative<FinishEvent>(event)) finished_ = true;

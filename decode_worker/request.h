@@ -16,7 +16,7 @@
 #include "absl/time/time.h"
 
 #include "common/engine/sampler.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 
 namespace hmoe::decode {
 
@@ -42,10 +42,6 @@ struct GenerationRequest {
   }
 };
 
-enum class FinishCause { kEos, kStop, kLength, kCancelled, kError };
-// "eos", "stop", "length", "cancelled", "error".
-const char* FinishCauseName(FinishCause cause);
-
 struct TokenEvent {
   int32_t token = 0;
   int32_t index = 0;  // among generated tokens
@@ -59,9 +55,9 @@ struct KvImportedEvent {
 };
 
 struct FinishEvent {
-  FinishCause cause = FinishCause::kLength;
-  int32_t stop_token = -1;  // kEos / kStop
-  absl::Status error;       // kError (also the cause of kCancelled, as a Cancelled status)
+  FinishReason reason = FinishReason::kLength;  // not kNone
+  int32_t stop_token = -1;                      // kEos / kStop
+  absl::Status error;  // kError (also the cause of kCancelled, as a Cancelled status)
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;
   int32_t imported_tokens = 0;

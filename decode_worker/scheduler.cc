@@ -142,16 +142,10 @@ absl::Status Scheduler::ValidateRequest(const GenerationRequest& r, const StepEn
   }
   HMOE_RETURN_IF_ERROR(CheckTokens(r.prompt, vocab, "prompt_token_ids"));
   HMOE_RETURN_IF_ERROR(CheckTokens(r.sampling.stop_token_ids, vocab, "stop_token_ids"));
-  if (absl::Status s = ValidateSamplingParams(r.sampling); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: ", s.message()));
-  }
+  HMOE_RETURN_IF_ERROR(ValidateSamplingParams(r.sampling));
+  HMOE_RETURN_IF_ERROR(CheckFitsContext("prompt_token_ids", r.prompt_tokens(),
+                                        r.sampling.max_new_tokens, engine.max_context_tokens()));
   const int64_t total = r.prompt_tokens() + r.sampling.max_new_tokens;
-  if (total > engine.max_context_tokens()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt_token_ids: too long: prompt of ", r.prompt_tokens(),
-                     " tokens + max_new_tokens ", r.sampling.max_new_tokens, " = ", total,
-                     " exceeds the model's context of ", engine.max_context_tokens(), " tokens"));
-  }
   const int64_t blocks = CeilDiv(total, engine.kv_block_tokens());
   if (blocks > engine.kv_blocks_total()) {
     return absl::ResourceExhaustedError(
@@ -165,13 +159,9 @@ absl::Status Scheduler::ValidateRequest(const GenerationRequest& r, const StepEn
 absl::StatusOr<std::shared_ptr<RequestChannel>> Scheduler::Submit(GenerationRequest request) {
   const absl::Time now = absl::Now();
   HMOE_RETURN_IF_ERROR(ValidateRequest(request, engine_));
-  absl::StatusOr<Sampler> sampler =
-      Sampler::Create(request.sampling, request.prompt, engine_.eos_token_ids());
-  if (!sampler.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: ", sampler.status().message()));
-  }
   auto active = std::make_unique<Active>();
-  active->sampler.emplace(*std::move(sampler));
+  active->sampler.emplace(
+      Sampler::Create(request.sampling, request.prompt, engine_.eos_token_ids()));
   active->channel = std::make_shared<RequestChannel>();
   active->admit_time = now;
   active->request = std::move(request);
@@ -266,7 +256,7 @@ void Scheduler::EngineLoop() {
   }
   auto cancel = [this](std::unique_ptr<Active>& a) {
     if (!a->finished) {
-      Finish(*a, FinishCause::kCancelled, absl::CancelledError("worker shutting down"), -1);
+      Finish(*a, FinishReason::kCancelled, absl::CancelledError("worker shutting down"), -1);
     }
   };
   for (auto& a : running_) cancel(a);
@@ -302,12 +292,12 @@ void Scheduler::ApplyCancels() {
   pending_cancels_.clear();
   for (auto& a : waiting_) {
     if (a->cancel && !a->finished) {
-      Finish(*a, FinishCause::kCancelled, absl::CancelledError(a->cancel_reason), -1);
+      Finish(*a, FinishReason::kCancelled, absl::CancelledError(a->cancel_reason), -1);
     }
   }
   for (auto& a : running_) {
     if (a->cancel && !a->finished) {
-      Finish(*a, FinishCause::kCancelled, absl::CancelledError(a->cancel_reason), -1);
+      Finish(*a, FinishReason::kCancelled, absl::CancelledError(a->cancel_reason), -1);
     }
   }
 }
@@ -332,7 +322,7 @@ void Scheduler::AdmitWaiting() {
             error.code(),
             absl::StrCat("import kv from ", a.request.kv->description(), ": ", error.message()));
       }
-      Finish(a, FinishCause::kError, std::move(error), -1);
+      Finish(a, FinishReason::kError, std::move(error), -1);
       waiting_.pop_front();
       continue;
     }
@@ -349,12 +339,9 @@ void Scheduler::AdmitWaiting() {
       ++a.completion_tokens;
       ++local_.tokens_generated;
       a.last_token_time = a.start_time;
-      if (reason == FinishReason::kEos) {
-        Finish(a, FinishCause::kEos, absl::OkStatus(), a.request.first_token);
-      } else if (reason == FinishReason::kStopToken) {
-        Finish(a, FinishCause::kStop, absl::OkStatus(), a.request.first_token);
-      } else if (reason == FinishReason::kMaxTokens) {
-        Finish(a, FinishCause::kLength, absl::OkStatus(), -1);
+      if (reason != FinishReason::kNone) {
+        Finish(a, reason, absl::OkStatus(),
+               reason == FinishReason::kLength ? -1 : a.request.first_token);
       } else {
         a.next_input = a.request.first_token;
       }
@@ -463,7 +450,7 @@ bool Scheduler::RunOneStep() {
     StepResult& r = results[i];
     if (!r.status.ok()) {
       HMOE_LOG(ERROR) << "req=" << a.request.id << " step failed: " << r.status;
-      Finish(a, FinishCause::kError, r.status, -1);
+      Finish(a, FinishReason::kError, r.status, -1);
       continue;
     }
     if (prefill_tokens[i] > 0) {
@@ -490,7 +477,7 @@ bool Scheduler::RunOneStep() {
 void Scheduler::SampleAndEmit(Active& a, const std::vector<float>& logits, int64_t step_us) {
   absl::StatusOr<int32_t> token = a.sampler->Sample(logits);
   if (!token.ok()) {
-    Finish(a, FinishCause::kError, token.status(), -1);
+    Finish(a, FinishReason::kError, token.status(), -1);
     return;
   }
   const FinishReason reason = a.sampler->Accept(*token);
@@ -503,12 +490,8 @@ void Scheduler::SampleAndEmit(Active& a, const std::vector<float>& logits, int64
     ++a.inter_token_count;
   }
   a.last_token_time = now;
-  if (reason == FinishReason::kEos) {
-    Finish(a, FinishCause::kEos, absl::OkStatus(), *token);
-    return;
-  }
-  if (reason == FinishReason::kStopToken) {
-    Finish(a, FinishCause::kStop, absl::OkStatus(), *token);
+  if (reason == FinishReason::kEos || reason == FinishReason::kStop) {  // not streamed
+    Finish(a, reason, absl::OkStatus(), *token);
     return;
   }
   TokenEvent e;
@@ -517,21 +500,21 @@ void Scheduler::SampleAndEmit(Active& a, const std::vector<float>& logits, int64
   e.time_since_admit_us = Micros(now - a.admit_time);
   e.step_us = step_us;
   a.channel->Push(e);
-  if (reason == FinishReason::kMaxTokens) {
-    Finish(a, FinishCause::kLength, absl::OkStatus(), -1);
+  if (reason == FinishReason::kLength) {
+    Finish(a, reason, absl::OkStatus(), -1);
     return;
   }
   a.next_input = *token;
 }
 
-void Scheduler::Finish(Active& a, FinishCause cause, absl::Status error, int32_t stop_token) {
+void Scheduler::Finish(Active& a, FinishReason reason, absl::Status error, int32_t stop_token) {
   if (a.finished) return;
   a.finished = true;
   a.sequence.reset();  // Frees the KV blocks now.
   a.request.kv.reset();
   const absl::Time now = absl::Now();
   FinishEvent f;
-  f.cause = cause;
+  f.reason = reason;
   f.stop_token = stop_token;
   f.error = std::move(error);
   f.prompt_tokens = static_cast<int32_t>(a.request.prompt_tokens());
@@ -544,9 +527,9 @@ void Scheduler::Finish(Active& a, FinishCause cause, absl::Status error, int32_t
   f.total_us = Micros(now - a.admit_time);
   f.mean_inter_token_us = a.inter_token_count == 0 ? 0 : a.inter_token_sum_us / a.inter_token_count;
   ++local_.requests_finished;
-  if (cause == FinishCause::kCancelled) ++local_.requests_cancelled;
-  if (cause == FinishCause::kError) ++local_.requests_failed;
-  HMOE_LOG(INFO) << "req=" << a.request.id << " finished: " << FinishCauseName(cause) << ", "
+  if (reason == FinishReason::kCancelled) ++local_.requests_cancelled;
+  if (reason == FinishReason::kError) ++local_.requests_failed;
+  HMOE_LOG(INFO) << "req=" << a.request.id << " finished: " << FinishReasonName(reason) << ", "
                  << a.completion_tokens << " tokens, " << f.total_us / 1000 << " ms"
                  << (f.error.ok() ? "" : absl::StrCat(" (", f.error.ToString(), ")"));
   {

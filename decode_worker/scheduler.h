@@ -28,7 +28,7 @@
 //   micro-batches of balanced token counts that overlap attention and MoE (StepRunner).
 // - Stops. EOS (unless ignore_eos), a stop token id (neither is streamed) or max_new_tokens.
 // - Cancellation. Cancel (and a broken stream) marks the request; it is removed and its KV
-//   blocks are freed at the next step boundary, with FinishCause::kCancelled.
+//   blocks are freed at the next step boundary, with FinishReason::kCancelled.
 // - Errors. A failed step fails the requests of the failed micro-batch (kError) and frees them;
 //   the others continue.
 // - Drain. StopAccepting makes Submit Unavailable; WaitIdle waits for in-flight requests;
@@ -152,7 +152,7 @@ class Scheduler {
   void AdmitWaiting();
   // Builds and runs one step; false when there was nothing to run.
   bool RunOneStep();
-  void Finish(Active& a, FinishCause cause, absl::Status error, int32_t stop_token);
+  void Finish(Active& a, FinishReason reason, absl::Status error, int32_t stop_token);
   // Samples from `logits` for a request past its prompt; finishes it when a stop condition hits.
   void SampleAndEmit(Active& a, const std::vector<float>& logits, int64_t step_us);
   void RemoveFinished();

@@ -1,7 +1,8 @@
 #pragma once
 
 // Start-up helpers of hmoe-decode-worker that main.cc uses and tests check without a process:
-// flag values to typed settings (the helpers both workers share live in common/rpc).
+// flag values to typed settings (the helpers both workers share live in common/process,
+// common/device/device_flag.h and common/base/flags.h).
 
 #include <cstddef>
 #include <cstdint>
@@ -10,16 +11,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "common/base/flags.h"
 #include "common/device/device.h"
-#include "common/rpc/worker_setup.h"
+#include "common/device/device_flag.h"
 
 namespace hmoe::decode {
-
-// Shared with the prefill worker (common/rpc/worker_setup.h).
-using rpc::DeviceSpec;
-using rpc::ParseDeviceFlag;
-using rpc::ParseOnOff;
-using rpc::PrepareSocketPath;
 
 // --dual-batch: "on", "off", or "auto" = on exactly when the attention device is a GPU. On a
 // CPU-only node attention and experts share the same cores, so the two micro-batches cannot

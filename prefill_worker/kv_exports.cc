@@ -112,6 +112,16 @@ absl::StatusOr<std::unique_ptr<KvExport>> ExportToCudaIpc(KvCache& cache, const 
       std::make_unique<DeviceExport>(std::move(buffer), std::move(spec), device.name()));
 }
 
+std::string ExportPrefix(const std::string& worker_id) {
+  std::string id = worker_id;
+  for (char& c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '-' || c == '.';
+    if (!ok) c = '_';
+  }
+  return absl::StrCat("hmoe-kv-", id.substr(0, 150), "-");
+}
+
 absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix) {
   HMOE_RETURN_IF_ERROR(ValidateKvHandoffName(prefix));
   if (prefix.size() < 8) {

@@ -1,7 +1,7 @@
 #pragma once
 
-// The prefill worker's side of the KV hand-off (common/kv/kv_handoff.h): a prompt's KV cache
-// copied into an exportable buffer, and the table of the buffers the worker still owns.
+// The prefill worker's side of the KV hand-off (common/kv_handoff/kv_handoff.h): a prompt's KV
+// cache copied into an exportable buffer, and the table of the buffers the worker still owns.
 //
 // The worker owns every export until someone releases it: the router calls Release once the
 // decode worker has acknowledged the import (hmoe.decode.v1.KvImported), and an export nobody
@@ -25,7 +25,7 @@
 
 #include "common/device/device.h"
 #include "common/engine/kv_cache.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 
 namespace hmoe::prefill {
 
@@ -54,8 +54,8 @@ absl::StatusOr<std::unique_ptr<KvExport>> ExportToShm(KvCache& cache, const KvSe
 
 // Writes `seq` with a hand-off header into a new allocation of the cache's device and returns its
 // CUDA IPC memory handle and the PCI bus id of the device (the decode worker's side:
-// common/kv/cuda_ipc_import.h). Unavailable on a build or device without CUDA (a CpuDevice cannot
-// export this way); the device's ResourceExhausted when the buffer does not fit.
+// common/kv_handoff/cuda_ipc_import.h). Unavailable on a build or device without CUDA (a CpuDevice
+// cannot export this way); the device's ResourceExhausted when the buffer does not fit.
 absl::StatusOr<std::unique_ptr<KvExport>> ExportToCudaIpc(KvCache& cache, const KvSequence& seq,
                                                           Stream& stream);
 
@@ -64,6 +64,10 @@ absl::StatusOr<std::unique_ptr<KvExport>> ExportToCudaIpc(KvCache& cache, const 
 // prefix of at least 8 characters (InvalidArgument otherwise: a short prefix could match
 // others' segments).
 absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix);
+
+// The hand-off name prefix of the worker `worker_id`: "hmoe-kv-<id>-", the id's characters outside
+// [A-Za-z0-9_.-] replaced by '_' and cut to 150.
+std::string ExportPrefix(const std::string& worker_id);
 
 // The worker's outstanding exports by request id. Thread-safe. A reaper thread frees exports
 // older than the timeout.

@@ -26,7 +26,7 @@
 #include "absl/time/time.h"
 
 #include "common/engine/sampler.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "prefill_worker/dslp_group.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/slp_runner.h"

@@ -127,4 +127,17 @@ grpc::Status PrefillServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
+rpc::WorkerLoadReport PrefillLoadReport(const PrefillScheduler& scheduler,
+                                        const SlpRunner& runner) {
+  const PrefillSchedulerStats s = scheduler.stats();
+  rpc::WorkerLoadReport load;
+  load.draining = s.draining;
+  load.running = s.busy ? 1 : 0;
+  load.waiting = s.waiting;
+  load.batch_size = 1;
+  load.kv_blocks_free = runner.kv_blocks_free();
+  load.kv_blocks_total = runner.kv_blocks_total();
+  return load;
+}
+
 }  // namespace hmoe::prefill

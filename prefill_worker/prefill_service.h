@@ -9,6 +9,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/rpc/registry_client.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/prefill_scheduler.h"
 #include "prefill_worker/slp_runner.h"
@@ -50,5 +51,9 @@ class PrefillServiceImpl final : public v1::PrefillService::Service {
   const SlpRunner* runner_;
   PrefillServiceInfo info_;
 };
+
+// The load the worker's heartbeats report to the router: running 1 while it prefills, waiting its
+// queue, batch size 1, the KV pool's blocks.
+rpc::WorkerLoadReport PrefillLoadReport(const PrefillScheduler& scheduler, const SlpRunner& runner);
 
 }  // namespace hmoe::prefill

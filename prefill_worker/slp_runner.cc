@@ -220,7 +220,7 @@ absl::StatusOr<SlpResult> SlpRunner::RunDslp(std::span<const int32_t> prompt,
   HMOE_RETURN_IF_ERROR(CheckDslpPrompt(n, world));
   SamplingParams first = sampling;
   first.max_new_tokens = 1;
-  HMOE_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(first, prompt, {}));
+  Sampler sampler = Sampler::Create(first, prompt, {});
   HMOE_RETURN_IF_ERROR(UseExpertsOf(rank, world));
 
   SlpResult result;
@@ -272,7 +272,7 @@ absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
   }
   SamplingParams first = sampling;
   first.max_new_tokens = 1;  // the prefill worker samples exactly one token
-  HMOE_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(first, prompt, {}));
+  Sampler sampler = Sampler::Create(first, prompt, {});
   HMOE_RETURN_IF_ERROR(UseExpertsOf(0, 1));  // after a DSLP prefill: every expert again
 
   SlpResult result;

@@ -1,31 +1,29 @@
 // hmoe-router: the public gRPC API (proto/hmoe_v1.proto) in front of the workers, plus the worker
 // registry (proto/worker_registry.proto). Wiring only: the logic lives in hmoe_router_lib.
 // See docs/api.md.
+//
+// Exit codes: 0 after SIGTERM/SIGINT (drained), 1 on a start-up or runtime error, 2 on bad flags.
 
-#include <signal.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
+#include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 
-#include "common/base/flags.h"
 #include "common/base/logging.h"
+#include "common/base/status_macros.h"
 #include "common/model/model_config.h"
 #include "common/model/tokenizer.h"
+#include "common/process/daemon.h"
+#include "common/process/socket_path.h"
 #include "router/clock.h"
 #include "router/decode_client.h"
 #include "router/health_service.h"
@@ -71,79 +69,43 @@ ABSL_FLAG(int, dslp_failure_grace_ms, 2000,
 ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM, how long in-flight requests may finish");
 ABSL_FLAG(std::string, port_file, "", "write the bound public port here (tests)");
 
+namespace hmoe::router {
 namespace {
 
-using hmoe::router::Router;
+using process::FlagError;
 
-// The socket's directory must be ours alone: create it 0700, or refuse a looser existing one.
-bool PrepareSocketDir(const std::string& socket_path) {
-  const size_t slash = socket_path.rfind('/');
-  if (slash == std::string::npos || slash == 0) {
-    HMOE_LOG(ERROR) << "--registry_socket must be an absolute path in a private directory";
-    return false;
-  }
-  const std::string dir = socket_path.substr(0, slash);
-  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    HMOE_LOG(ERROR) << "mkdir " << dir << ": " << std::strerror(errno);
-    return false;
-  }
-  struct stat st;
-  if (stat(dir.c_str(), &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
-    HMOE_LOG(ERROR) << "socket directory " << dir << " must be owned by us with mode 0700";
-    return false;
-  }
-  unlink(socket_path.c_str());
-  return true;
-}
-
-}  // namespace
-
-int main(int argc, char** argv) {
-  hmoe::SetUsage("hmoe-router --listen 127.0.0.1:50051 --model DIR");
-  std::vector<std::string> storage;
-  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
-
-  if (absl::Status s = hmoe::router::ValidateListenAddress(absl::GetFlag(FLAGS_listen)); !s.ok()) {
-    HMOE_LOG(ERROR) << s.message();
-    return 2;
-  }
-  hmoe::router::RouterOptions options;
-  std::unique_ptr<hmoe::Tokenizer> tokenizer;
+// The router's options from the flags and --model's config.json; `tokenizer` gets the model's
+// tokenizer when it has one.
+absl::StatusOr<RouterOptions> ReadOptions(std::unique_ptr<Tokenizer>& tokenizer) {
+  HMOE_RETURN_IF_ERROR(FlagError(ValidateListenAddress(absl::GetFlag(FLAGS_listen))));
+  RouterOptions options;
   const std::string model_dir = absl::GetFlag(FLAGS_model);
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   options.limits.context_length = absl::GetFlag(FLAGS_context_length);
   if (!model_dir.empty()) {
-    absl::StatusOr<hmoe::ModelConfig> config =
-        hmoe::ModelConfig::FromFile(model_dir + "/config.json");
-    if (!config.ok()) {
-      HMOE_LOG(ERROR) << config.status();
-      return 1;
+    HMOE_ASSIGN_OR_RETURN(const ModelConfig config,
+                          ModelConfig::FromFile(model_dir + "/config.json"));
+    options.limits.vocab_size = static_cast<int32_t>(config.vocab_size);
+    options.limits.context_length = static_cast<int32_t>(config.max_position_embeddings);
+    options.bos_token_id = static_cast<int32_t>(config.bos_token_id);
+    if (!config.eos_token_ids.empty()) {
+      options.eos_token_id = static_cast<int32_t>(config.eos_token_ids[0]);
     }
-    options.limits.vocab_size = static_cast<int32_t>(config->vocab_size);
-    options.limits.context_length = static_cast<int32_t>(config->max_position_embeddings);
-    options.bos_token_id = static_cast<int32_t>(config->bos_token_id);
-    if (!config->eos_token_ids.empty()) {
-      options.eos_token_id = static_cast<int32_t>(config->eos_token_ids[0]);
-    }
-    for (const auto id : config->eos_token_ids) {
+    for (const auto id : config.eos_token_ids) {
       options.eos_token_ids.push_back(static_cast<int32_t>(id));
     }
-    absl::StatusOr<std::unique_ptr<hmoe::Tokenizer>> t = hmoe::Tokenizer::Load(model_dir);
+    absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Load(model_dir);
     if (t.ok()) {
       tokenizer = *std::move(t);
     } else if (absl::IsNotFound(t.status())) {
       HMOE_LOG(WARNING) << "no tokenizer in " << model_dir << ": token-id prompts only";
     } else {
-      HMOE_LOG(ERROR) << t.status();
-      return 1;
+      return t.status();
     }
     options.model_name = model_dir;
   }
-  if (options.limits.vocab_size <= 0) {
-    HMOE_LOG(ERROR) << "give --model DIR or --vocab_size";
-    return 1;
-  }
+  if (options.limits.vocab_size <= 0)
+    return absl::InvalidArgumentError("give --model DIR or --vocab_size");
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   options.limits.max_request_bytes = options.max_request_bytes;
   options.policy.chunk_threshold_tokens = absl::GetFlag(FLAGS_chunk_threshold);
@@ -160,51 +122,46 @@ int main(int argc, char** argv) {
   } else if (ep == "small_ep") {
     options.dslp_ep_mode = 2;
   } else if (ep != "default") {
-    HMOE_LOG(ERROR) << "--dslp_ep_mode: default, standard or small_ep, got " << ep;
-    return 2;
+    return FlagError(absl::StrCat("--dslp_ep_mode: default, standard or small_ep, got ", ep));
   }
   if (options.max_inflight < 1 || options.max_prefill_queue < 0 || options.max_request_bytes < 1) {
-    HMOE_LOG(ERROR) << "--max_inflight and --max_request_bytes must be >= 1, "
-                       "--max_prefill_queue >= 0";
-    return 2;
+    return FlagError(
+        "--max_inflight and --max_request_bytes must be >= 1, --max_prefill_queue >= 0");
   }
   options.retry_wait = absl::Milliseconds(absl::GetFlag(FLAGS_retry_wait_ms));
   options.max_dispatch_attempts = absl::GetFlag(FLAGS_max_dispatch_attempts);
   options.dslp_failure_grace = absl::Milliseconds(absl::GetFlag(FLAGS_dslp_failure_grace_ms));
   if (options.max_dispatch_attempts < 1 || options.dslp_failure_grace < absl::ZeroDuration()) {
-    HMOE_LOG(ERROR) << "--max_dispatch_attempts must be >= 1, --dslp_failure_grace_ms >= 0";
-    return 2;
+    return FlagError("--max_dispatch_attempts must be >= 1, --dslp_failure_grace_ms >= 0");
   }
+  return options;
+}
 
-  // Signals are handled by sigwait below; block them before gRPC starts its threads.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-
+absl::Status Run(process::StopSignalWatcher& signals) {
+  std::unique_ptr<Tokenizer> tokenizer;
+  HMOE_ASSIGN_OR_RETURN(const RouterOptions options, ReadOptions(tokenizer));
   const int heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
-  const absl::StatusOr<int> heartbeat_interval_ms = hmoe::router::ResolveHeartbeatIntervalMs(
-      heartbeat_timeout_ms, absl::GetFlag(FLAGS_heartbeat_interval_ms));
-  if (!heartbeat_interval_ms.ok()) {
-    HMOE_LOG(ERROR) << heartbeat_interval_ms.status().message();
-    return 2;
+  const absl::StatusOr<int> heartbeat_interval_ms =
+      ResolveHeartbeatIntervalMs(heartbeat_timeout_ms, absl::GetFlag(FLAGS_heartbeat_interval_ms));
+  HMOE_RETURN_IF_ERROR(FlagError(heartbeat_interval_ms.status()));
+  const std::string registry_socket = absl::GetFlag(FLAGS_registry_socket);
+  if (!registry_socket.empty()) {
+    HMOE_RETURN_IF_ERROR(process::PrepareSocketPath("--registry_socket", registry_socket));
   }
-  hmoe::router::RealClock clock;
-  hmoe::router::WorkerRegistry registry(
-      &clock, {.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms),
-               .heartbeat_interval = absl::Milliseconds(*heartbeat_interval_ms)});
-  std::unique_ptr<hmoe::router::DecodeClientFactory> decode_clients =
-      hmoe::router::NewGrpcDecodeClientFactory();
-  std::unique_ptr<hmoe::router::PrefillClientFactory> prefill_clients =
-      hmoe::router::NewGrpcPrefillClientFactory();
+
+  RealClock clock;
+  WorkerRegistry registry(&clock,
+                          {.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms),
+                           .heartbeat_interval = absl::Milliseconds(*heartbeat_interval_ms)});
+  std::unique_ptr<DecodeClientFactory> decode_clients = NewGrpcDecodeClientFactory();
+  std::unique_ptr<PrefillClientFactory> prefill_clients = NewGrpcPrefillClientFactory();
   Router router(options, &registry, decode_clients.get(), prefill_clients.get(), tokenizer.get(),
                 &clock);
-  hmoe::router::RouterService router_service(&router);
-  hmoe::router::RegistryService registry_service(&registry);
-
+  RouterService router_service(&router);
+  RegistryService registry_service(&registry);
   // Health answers from the registry on every call (router/health_service.h), not from a flag.
-  hmoe::router::HealthService health([&router] { return router.Serving(); });
+  HealthService health([&router] { return router.Serving(); });
+
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   int port = 0;
   grpc::ServerBuilder builder;
@@ -213,7 +170,7 @@ int main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(hmoe::router::NewParseErrorInterceptorFactory());
+    creators.push_back(NewParseErrorInterceptorFactory());
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
   // Twice the request limit: requests in between get validation's INVALID_ARGUMENT naming the
@@ -222,26 +179,24 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&router_service);
   builder.RegisterService(&health);
-  const std::string registry_socket = absl::GetFlag(FLAGS_registry_socket);
   std::unique_ptr<grpc::Server> registry_server;
   if (registry_socket.empty()) {
     builder.RegisterService(&registry_service);
   } else {
-    if (!PrepareSocketDir(registry_socket)) return 1;
     grpc::ServerBuilder rb;
     rb.AddListeningPort("unix:" + registry_socket, grpc::InsecureServerCredentials());
     rb.RegisterService(&registry_service);
     registry_server = rb.BuildAndStart();
     if (registry_server == nullptr) {
-      HMOE_LOG(ERROR) << "cannot serve the registry on unix:" << registry_socket;
-      return 1;
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve the registry on unix:", registry_socket));
     }
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    HMOE_LOG(ERROR) << "cannot listen on " << absl::GetFlag(FLAGS_listen)
-                    << ": the address is in use (another router?) or not local";
-    return 1;
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
+                                               ": the address is in use (another router?) or "
+                                               "not local"));
   }
   if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
     FILE* f = std::fopen(port_file.c_str(), "w");
@@ -254,15 +209,22 @@ int main(int argc, char** argv) {
                  << ", context " << options.limits.context_length
                  << (tokenizer != nullptr ? ", tokenizer" : ", no tokenizer") << ")";
 
-  int sig = 0;
-  sigwait(&signals, &sig);
-  HMOE_LOG(INFO) << "signal " << sig << ": draining";
+  // --- drain on SIGTERM
+  signals.WaitForStop();
   router.StartDraining();  // health: NOT_SERVING from now on
-  const absl::Time drain_end = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
-  while (router.inflight() > 0 && absl::Now() < drain_end) absl::SleepFor(absl::Milliseconds(20));
+  process::WaitUntil(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)),
+                     [&router] { return router.inflight() == 0; });
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   if (registry_server != nullptr) registry_server->Shutdown();
-  if (!registry_socket.empty()) unlink(registry_socket.c_str());
+  if (!registry_socket.empty()) ::unlink(registry_socket.c_str());
   HMOE_LOG(INFO) << "stopped";
-  return 0;
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace hmoe::router
+
+int main(int argc, char** argv) {
+  return hmoe::process::RunDaemon(
+      argc, argv, {.usage = "hmoe-router --listen 127.0.0.1:50051 --model DIR"}, hmoe::router::Run);
 }

@@ -10,6 +10,8 @@
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
 #include "common/model/tokenizer.h"
+#include "common/rpc/sampling_proto.h"
+#include "router/api_convert.h"
 
 namespace hmoe::router {
 namespace {
@@ -41,23 +43,6 @@ v1::Path ToProto(Path path) {
       return v1::PATH_DSLP;
   }
   return v1::PATH_UNSPECIFIED;
-}
-
-v1::FinishReason ToProto(dv1::FinishReason r) {
-  switch (r) {
-    case dv1::FINISH_REASON_EOS:
-      return v1::FINISH_REASON_EOS;
-    case dv1::FINISH_REASON_STOP:
-      return v1::FINISH_REASON_STOP;
-    case dv1::FINISH_REASON_LENGTH:
-      return v1::FINISH_REASON_LENGTH;
-    case dv1::FINISH_REASON_CANCELLED:
-      return v1::FINISH_REASON_CANCELLED;
-    case dv1::FINISH_REASON_ERROR:
-      return v1::FINISH_REASON_ERROR;
-    default:
-      return v1::FINISH_REASON_UNSPECIFIED;
-  }
 }
 
 // Streamed text with stop strings: text that could still be the start of a stop string is held
@@ -229,18 +214,6 @@ bool IsConnectionLost(const absl::Status& s) {
 bool IsRetryable(const absl::Status& s) {
   return IsConnectionLost(s) || absl::IsUnknown(s) || absl::IsInternal(s) || absl::IsAborted(s) ||
          absl::IsResourceExhausted(s);
-}
-
-dv1::SamplingParams ToDecodeSampling(const v1::SamplingParams& s) {
-  dv1::SamplingParams d;
-  d.set_temperature(s.temperature());
-  d.set_top_k(s.top_k());
-  d.set_top_p(s.top_p());
-  d.set_min_p(s.min_p());
-  d.set_repetition_penalty(s.repetition_penalty());
-  d.set_presence_penalty(s.presence_penalty());
-  d.set_seed(s.seed());
-  return d;
 }
 
 }  // namespace
@@ -431,7 +404,7 @@ absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadl
 
   req.admit.set_request_id(req.id);
   req.admit.mutable_prompt_token_ids()->Assign(req.prompt.begin(), req.prompt.end());
-  *req.admit.mutable_sampling() = ToDecodeSampling(proto.sampling());
+  *req.admit.mutable_sampling() = rpc::SamplingToProto(SamplingFromApi(proto));
   req.admit.set_max_new_tokens(proto.max_new_tokens());
   req.admit.mutable_stop_token_ids()->CopyFrom(proto.stop_token_ids());
   req.admit.set_ignore_eos(proto.ignore_eos());
@@ -651,7 +624,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     f.set_reason(v1::FINISH_REASON_STOP);
     f.set_stop_string(req.stop_string);
   } else if (finished.has_value() && status.ok()) {
-    f.set_reason(ToProto(finished->reason()));
+    f.set_reason(FinishReasonToApi(rpc::FinishReasonFromProto(finished->reason())));
     f.set_stop_token_id(finished->stop_token_id());
     f.set_error_message(finished->error_message());
     if (req.text.has_value()) {
@@ -729,7 +702,7 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   // A retry gets a new id: the worker of the failed attempt may still hold it.
   base.set_request_id(attempt == 0 ? req.id : absl::StrCat(req.id, ":", attempt + 1));
   base.mutable_prompt_token_ids()->Assign(req.prompt.begin(), req.prompt.end());
-  *base.mutable_sampling() = ToDecodeSampling(req.proto->sampling());
+  *base.mutable_sampling() = rpc::SamplingToProto(SamplingFromApi(*req.proto));
   std::string group;
   if (dslp) {
     absl::MutexLock lock(&mu_);

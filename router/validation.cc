@@ -1,7 +1,6 @@
 #include "router/validation.h"
 
 #include <algorithm>
-#include <cmath>
 #include <optional>
 #include <string>
 
@@ -11,6 +10,8 @@
 
 #include "common/base/status_macros.h"
 #include "common/model/tokenizer.h"
+#include "common/sampling/sampling.h"
+#include "router/api_convert.h"
 
 namespace hmoe::router {
 namespace {
@@ -27,28 +28,10 @@ bool IsRequestIdChar(char c) {
 }  // namespace
 
 absl::Status ValidateSampling(const hmoe::v1::SamplingParams& s) {
-  if (!std::isfinite(s.temperature()) || s.temperature() < 0) {
-    return Invalid("sampling.temperature",
-                   absl::StrCat("must be finite and >= 0, got ", s.temperature()));
-  }
-  if (s.top_k() < 0) {
-    return Invalid("sampling.top_k", absl::StrCat("must be >= 0, got ", s.top_k()));
-  }
-  if (!std::isfinite(s.top_p()) || s.top_p() < 0 || s.top_p() > 1) {
-    return Invalid("sampling.top_p", absl::StrCat("must be 0 or in (0, 1], got ", s.top_p()));
-  }
-  if (!std::isfinite(s.min_p()) || s.min_p() < 0 || s.min_p() > 1) {
-    return Invalid("sampling.min_p", absl::StrCat("must be in [0, 1], got ", s.min_p()));
-  }
-  if (!std::isfinite(s.repetition_penalty()) || s.repetition_penalty() < 0) {
-    return Invalid("sampling.repetition_penalty",
-                   absl::StrCat("must be finite and >= 0, got ", s.repetition_penalty()));
-  }
-  if (!std::isfinite(s.presence_penalty())) {
-    return Invalid("sampling.presence_penalty",
-                   absl::StrCat("must be finite, got ", s.presence_penalty()));
-  }
-  return absl::OkStatus();
+  v1::GenerateRequest request;
+  *request.mutable_sampling() = s;
+  request.set_max_new_tokens(1);
+  return ValidateSamplingParams(SamplingFromApi(request));
 }
 
 absl::Status ValidateGenerateRequest(const hmoe::v1::GenerateRequest& request,
@@ -80,15 +63,11 @@ absl::Status ValidateGenerateRequest(const hmoe::v1::GenerateRequest& request,
     case hmoe::v1::GenerateRequest::PROMPT_NOT_SET:
       return Invalid("prompt", "empty prompt (set prompt_token_ids or prompt_text)");
   }
-  if (request.max_new_tokens() < 1) {
-    return Invalid("max_new_tokens", absl::StrCat("must be >= 1, got ", request.max_new_tokens()));
-  }
-  if (limits.context_length > 0 && request.max_new_tokens() >= limits.context_length) {
-    return Invalid("max_new_tokens", absl::StrCat(request.max_new_tokens(),
-                                                  " leaves no room for a prompt in the context of ",
-                                                  limits.context_length, " tokens"));
-  }
-  HMOE_RETURN_IF_ERROR(ValidateSampling(request.sampling()));
+  // The sampling rules and max_new_tokens >= 1: common/sampling's, for every boundary.
+  HMOE_RETURN_IF_ERROR(ValidateSamplingParams(SamplingFromApi(request)));
+  // Every prompt has a token: a max_new_tokens that leaves none is refused before tokenizing.
+  HMOE_RETURN_IF_ERROR(
+      CheckFitsContext("max_new_tokens", 1, request.max_new_tokens(), limits.context_length));
   for (int i = 0; i < request.stop_token_ids_size(); ++i) {
     const int32_t t = request.stop_token_ids(i);
     if (t < 0 || t >= limits.vocab_size) {
@@ -147,12 +126,9 @@ absl::StatusOr<std::vector<int32_t>> ResolvePrompt(const hmoe::v1::GenerateReque
     }
   }
   if (ids.empty()) return Invalid(field, "empty prompt");
-  const int64_t total = static_cast<int64_t>(ids.size()) + request.max_new_tokens();
-  if (limits.context_length > 0 && total > limits.context_length) {
-    return Invalid(field, absl::StrCat("prompt (", ids.size(), " tokens) + max_new_tokens (",
-                                       request.max_new_tokens(), ") = ", total,
-                                       " exceeds the context length ", limits.context_length));
-  }
+  HMOE_RETURN_IF_ERROR(CheckFitsContext(std::string_view(field.data(), field.size()),
+                                        static_cast<int64_t>(ids.size()), request.max_new_tokens(),
+                                        limits.context_length));
   return ids;
 }
 

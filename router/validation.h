@@ -33,9 +33,11 @@ struct ModelLimits {
 // Longest request id accepted.
 inline constexpr int kMaxRequestIdLength = 128;
 
-// Checks every field of `request` except the prompt's length against the context (which needs the
-// tokenized prompt: see ResolvePrompt). `tokenizer` may be null (then prompt_text, stop_strings
-// and detokenize are rejected).
+// The router's validation of a public request (gRPC, or another front end that builds the same
+// message): checks every field of `request` except the prompt's length against the context
+// (which needs the tokenized prompt: see ResolvePrompt). The sampling rules and the context rule
+// are common/sampling's, the ones every process boundary applies. `tokenizer` may be null (then
+// prompt_text, stop_strings and detokenize are rejected).
 absl::Status ValidateGenerateRequest(const hmoe::v1::GenerateRequest& request,
                                      const ModelLimits& limits, const Tokenizer* tokenizer);
 
@@ -47,7 +49,8 @@ absl::StatusOr<std::vector<int32_t>> ResolvePrompt(const hmoe::v1::GenerateReque
                                                    const ModelLimits& limits,
                                                    const Tokenizer* tokenizer);
 
-// Checks the sampling parameters alone (fields named "sampling.<name>").
+// Checks the sampling parameters alone (fields named "sampling.<name>"): the rules of
+// common/sampling, on the settings SamplingFromApi makes of them.
 absl::Status ValidateSampling(const hmoe::v1::SamplingParams& sampling);
 
 // Checks the router's --listen address: HOST:PORT (a name, an IPv4 address or a bracketed IPv6

@@ -8,27 +8,23 @@
 // Exit codes: 0 after SIGTERM/SIGINT (also during loading), 1 on any error, 2 on bad flags.
 
 #include <malloc.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/synchronization/notification.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
-#include "common/base/flags.h"
 #include "common/base/logging.h"
+#include "common/base/status_macros.h"
+#include "common/process/daemon.h"
+#include "common/process/socket_path.h"
 #include "common/shm/shm_names.h"
 #include "weightd/weight_daemon.h"
 #include "weightd/weightd_service.h"
@@ -52,7 +48,9 @@ namespace {
 
 constexpr char kServiceName[] = "hmoe.weightd.v1.WeightdService";
 
-int Run(absl::Time process_start) {
+using process::FlagError;
+
+absl::StatusOr<DaemonOptions> ReadFlags(absl::Time process_start) {
   DaemonOptions options;
   options.process_start = process_start;
   options.model_dir = absl::GetFlag(FLAGS_model);
@@ -60,116 +58,74 @@ int Run(absl::Time process_start) {
   options.numa_slices = absl::GetFlag(FLAGS_numa_slices);
   options.load_threads = absl::GetFlag(FLAGS_load_threads);
   options.progress_tty = ::isatty(STDERR_FILENO) == 1;
-  {
-    absl::StatusOr<NumaSetting> numa = ParseNumaSetting(absl::GetFlag(FLAGS_numa));
-    absl::StatusOr<shm::HugePageMode> huge = shm::ParseHugePageMode(absl::GetFlag(FLAGS_hugepages));
-    absl::StatusOr<shm::DensePolicy> dense =
-        shm::ParseDensePolicy(absl::GetFlag(FLAGS_dense_policy));
-    for (const absl::Status& s : {numa.status(), huge.status(), dense.status()}) {
-      if (!s.ok()) {
-        HMOE_LOG(ERROR) << s.message();
-        return 2;
-      }
-    }
-    options.numa = *numa;
-    options.hugepages = *huge;
-    options.dense_policy = *dense;
+  absl::StatusOr<NumaSetting> numa = ParseNumaSetting(absl::GetFlag(FLAGS_numa));
+  absl::StatusOr<shm::HugePageMode> huge = shm::ParseHugePageMode(absl::GetFlag(FLAGS_hugepages));
+  absl::StatusOr<shm::DensePolicy> dense = shm::ParseDensePolicy(absl::GetFlag(FLAGS_dense_policy));
+  for (const absl::Status& s : {numa.status(), huge.status(), dense.status()}) {
+    HMOE_RETURN_IF_ERROR(FlagError(s));
   }
-  if (options.model_dir.empty()) {
-    HMOE_LOG(ERROR) << "--model DIR is required";
-    return 2;
-  }
+  options.numa = *numa;
+  options.hugepages = *huge;
+  options.dense_policy = *dense;
+  if (options.model_dir.empty()) return FlagError("--model DIR is required");
+  return options;
+}
+
+absl::Status Run(absl::Time process_start, process::StopSignalWatcher& signals) {
+  HMOE_ASSIGN_OR_RETURN(const DaemonOptions options, ReadFlags(process_start));
   std::string socket_path = absl::GetFlag(FLAGS_socket);
   if (socket_path.empty()) socket_path = shm::DefaultSocketPath(options.instance);
-  if (socket_path.size() >= shm::kMaxUnixSocketPathBytes) {
-    HMOE_LOG(ERROR) << "socket path " << socket_path << " is " << socket_path.size()
-                    << " bytes; unix sockets allow at most " << shm::kMaxUnixSocketPathBytes - 1;
-    return 2;
-  }
-
-  // Signals are taken by one thread with sigtimedwait; every other thread has them blocked.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGHUP);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
-  std::atomic<bool> stop{false};
-  absl::Notification stop_requested;
-  std::jthread signal_thread([&](std::stop_token token) {
-    const timespec tick{0, 100'000'000};
-    while (!token.stop_requested()) {
-      const int sig = ::sigtimedwait(&signals, nullptr, &tick);
-      if (sig > 0) {
-        HMOE_LOG(INFO) << "received signal " << sig << " (" << strsignal(sig) << "), stopping";
-        // Relaxed: the loader only polls it; the Notification orders everything else.
-        stop.store(true, std::memory_order_relaxed);
-        if (!stop_requested.HasBeenNotified()) stop_requested.Notify();
-      }
-    }
-  });
-
+  HMOE_RETURN_IF_ERROR(process::CheckSocketPath("--socket", socket_path));
   const bool remove_on_exit = absl::GetFlag(FLAGS_remove_on_exit);
-  absl::StatusOr<std::unique_ptr<WeightDaemon>> daemon = WeightDaemon::Create(options);
-  if (!daemon.ok()) {
-    HMOE_LOG(ERROR) << daemon.status().message();
-    return 1;
-  }
+  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<WeightDaemon> daemon, WeightDaemon::Create(options));
 
   // We hold the instance lock, so a socket file left at this path is stale.
   ::unlink(socket_path.c_str());
   grpc::EnableDefaultHealthCheckService(true);
-  WeightdServiceImpl service(daemon->get());
+  WeightdServiceImpl service(daemon.get());
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
   builder.RegisterService(&service);
   builder.SetMaxSendMessageSize(512 << 20);  // Manifests of 1T-parameter models exceed 4 MB.
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    HMOE_LOG(ERROR) << "cannot serve gRPC on unix:" << socket_path;
-    return 1;
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", socket_path));
   }
   ::chmod(socket_path.c_str(), 0600);
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
+  const auto set_serving = [health](bool serving) {
+    health->SetServingStatus(serving);
+    health->SetServingStatus(kServiceName, serving);
+  };
+  set_serving(false);
   HMOE_LOG(INFO) << "serving status on unix:" << socket_path << " (NOT_SERVING until ready)";
-
-  auto stop_server = [&]() {
-    health->SetServingStatus(false);
-    health->SetServingStatus(kServiceName, false);
+  const auto stop_server = [&]() {
+    set_serving(false);
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     ::unlink(socket_path.c_str());
   };
 
-  absl::Status loaded = (*daemon)->LoadOrAdopt(&stop);
+  absl::Status loaded = daemon->LoadOrAdopt(signals.stop_flag());
   if (!loaded.ok()) {
     stop_server();
     if (absl::IsCancelled(loaded)) {
       HMOE_LOG(INFO) << "stopped while loading; partial segments removed";
-      return 0;
+      return absl::OkStatus();
     }
-    HMOE_LOG(ERROR) << loaded.message();
-    return 1;
+    return loaded;
   }
   // The load's buffers (checkpoint index, the loader threads' read buffers and malloc arenas)
   // are freed by now: hand their pages back, so the long-running daemon holds just its service
   // (weightd plus its workers should cost one copy of the weights, docs/weightd.md).
   ::malloc_trim(0);
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
+  set_serving(true);
   HMOE_LOG(INFO) << "SERVING instance " << options.instance;
 
-  stop_requested.WaitForNotification();
+  signals.WaitForStop();
   stop_server();
-  absl::Status shutdown = (*daemon)->Shutdown(remove_on_exit);
-  if (!shutdown.ok()) {
-    HMOE_LOG(ERROR) << "shutdown: " << shutdown.message();
-    return 1;
-  }
+  HMOE_RETURN_IF_ERROR(Annotate(daemon->Shutdown(remove_on_exit), "shutdown"));
   HMOE_LOG(INFO) << "stopped" << (remove_on_exit ? " (segments removed)" : " (segments kept)");
-  return 0;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -177,12 +133,13 @@ int Run(absl::Time process_start) {
 
 int main(int argc, char** argv) {
   const absl::Time process_start = absl::Now();
-  std::vector<std::string> storage;
-  std::vector<char*> args = hmoe::NormalizeFlagNames(argc, argv, storage);
-  hmoe::SetUsage(
-      "hmoe-weightd --model DIR [--instance NAME] [--numa auto|off|N] [--numa-slices N] "
-      "[--hugepages auto|1g|2m|thp|off] [--dense-policy interleave|replicate] [--socket PATH] "
-      "[--remove-on-exit]");
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
-  return hmoe::weightd::Run(process_start);
+  return hmoe::process::RunDaemon(
+      argc, argv,
+      {.usage = "hmoe-weightd --model DIR [--instance NAME] [--numa auto|off|N] [--numa-slices N] "
+                "[--hugepages auto|1g|2m|thp|off] [--dense-policy interleave|replicate] "
+                "[--socket PATH] [--remove-on-exit]",
+       .stop_on_sighup = true},
+      [process_start](hmoe::process::StopSignalWatcher& signals) {
+        return hmoe::weightd::Run(process_start, signals);
+      });
 }

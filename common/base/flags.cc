@@ -4,6 +4,7 @@
 
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 namespace hmoe {
@@ -36,6 +37,12 @@ void SetUsage(std::string_view usage) {
   config.contains_help_flags = own;
   config.contains_helpshort_flags = own;
   absl::SetFlagsUsageConfig(config);
+}
+
+absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value) {
+  if (value == "on" || value == "true" || value == "1") return true;
+  if (value == "off" || value == "false" || value == "0") return false;
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", value, "\" is not on or off"));
 }
 
 }  // namespace hmoe

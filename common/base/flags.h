@@ -6,6 +6,8 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/statusor.h"
+
 namespace hmoe {
 
 // absl flags are spelled with underscores; every hmoe binary documents and accepts the dashed
@@ -20,6 +22,9 @@ std::vector<char*> NormalizeFlagNames(int argc, char** argv, std::vector<std::st
 // default lists only the flags of a file named after the binary, which none of ours is, and
 // prints "No flags matched.") Call once, before absl::ParseCommandLine.
 void SetUsage(std::string_view usage);
+
+// "on"/"off" (also true/false, 1/0) for the flag `flag`. InvalidArgument naming `flag` otherwise.
+absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& value);
 
 // Whether --help lists a flag defined in `file` (SetUsage): not one of abseil's own.
 bool IsOwnFlagFile(std::string_view file);

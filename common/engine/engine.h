@@ -20,7 +20,7 @@
 //
 // Numerics: activations are rounded to BF16 at every FP8/BF16 linear layer (the kernels'
 // contract), everything else is F32. Logits agree with reference::ReferenceModel to about 1% of
-// the logit RMS on the test models (tests/engine_fast states the exact tolerance). Results of a
+// the logit RMS on the test models (tests/engine states the exact tolerance). Results of a
 // sequence do not depend on which other sequences share its step.
 
 #include <cstdint>

@@ -1,13 +1,10 @@
 #include "common/engine/sampler.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <limits>
 #include <numeric>
-
-#include "absl/strings/str_cat.h"
-
-#include "common/base/status_macros.h"
 
 namespace hmoe {
 namespace {
@@ -34,50 +31,6 @@ int32_t ArgMax(std::span<const float> v) {
 
 }  // namespace
 
-absl::Status ValidateSamplingParams(const SamplingParams& p) {
-  if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: temperature ", p.temperature, " must be finite and >= 0"));
-  }
-  if (p.top_k < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: top_k ", p.top_k, " is negative"));
-  }
-  if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: top_p ", p.top_p, " must be in (0, 1]"));
-  }
-  if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: min_p ", p.min_p, " must be in [0, 1]"));
-  }
-  if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: repetition_penalty ", p.repetition_penalty, " must be > 0"));
-  }
-  if (!std::isfinite(p.presence_penalty)) {
-    return absl::InvalidArgumentError("sampling: presence_penalty must be finite");
-  }
-  if (p.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampling: max_new_tokens ", p.max_new_tokens, " must be >= 1"));
-  }
-  return absl::OkStatus();
-}
-
-const char* FinishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kNone:
-      return "none";
-    case FinishReason::kEos:
-      return "eos";
-    case FinishReason::kStopToken:
-      return "stop_token";
-    case FinishReason::kMaxTokens:
-      return "max_tokens";
-  }
-  return "?";
-}
-
 double CounterUniform(uint64_t seed, uint64_t step) {
   const uint64_t bits = SplitMix64(SplitMix64(seed) ^ (step * 0xd1b54a32d192ed03ull + 1));
   return static_cast<double>(bits >> 11) * 0x1.0p-53;
@@ -89,10 +42,9 @@ Sampler::Sampler(const SamplingParams& params, std::span<const int32_t> prompt,
   for (int32_t t : prompt) InsertSorted(&seen_all_, t);
 }
 
-absl::StatusOr<Sampler> Sampler::Create(const SamplingParams& params,
-                                        std::span<const int32_t> prompt,
-                                        std::vector<int32_t> eos_token_ids) {
-  HMOE_RETURN_IF_ERROR(ValidateSamplingParams(params));
+Sampler Sampler::Create(const SamplingParams& params, std::span<const int32_t> prompt,
+                        std::vector<int32_t> eos_token_ids) {
+  assert(ValidateSamplingParams(params).ok());
   return Sampler(params, prompt, std::move(eos_token_ids));
 }
 
@@ -204,10 +156,10 @@ FinishReason Sampler::Accept(int32_t token) {
   }
   if (std::find(params_.stop_token_ids.begin(), params_.stop_token_ids.end(), token) !=
       params_.stop_token_ids.end()) {
-    return FinishReason::kStopToken;
+    return FinishReason::kStop;
   }
   if (static_cast<int64_t>(generated_.size()) >= params_.max_new_tokens) {
-    return FinishReason::kMaxTokens;
+    return FinishReason::kLength;
   }
   return FinishReason::kNone;
 }

@@ -27,29 +27,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "common/sampling/sampling.h"
+
 namespace hmoe {
-
-struct SamplingParams {
-  float temperature = 0.0f;         // 0: greedy
-  int32_t top_k = 0;                // 0: off
-  float top_p = 1.0f;               // (0, 1]; 1: off
-  float min_p = 0.0f;               // [0, 1]; 0: off
-  float repetition_penalty = 1.0f;  // > 0; 1: off
-  float presence_penalty = 0.0f;    // 0: off (may be negative)
-  uint64_t seed = 0;
-  int64_t max_new_tokens = 16;  // >= 1
-  std::vector<int32_t> stop_token_ids;
-  bool ignore_eos = false;
-};
-
-// InvalidArgument naming the field for out-of-range values (temperature < 0 or not finite,
-// top_k < 0, top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0,
-// max_new_tokens < 1).
-absl::Status ValidateSamplingParams(const SamplingParams& params);
-
-enum class FinishReason { kNone, kEos, kStopToken, kMaxTokens };
-// "none", "eos", "stop_token", "max_tokens".
-const char* FinishReasonName(FinishReason reason);
 
 // A uniform double in [0, 1) that depends only on (seed, step) (splitmix64-style hashing of the
 // pair; 53 random bits).
@@ -59,15 +39,17 @@ double CounterUniform(uint64_t seed, uint64_t step);
 // Not thread-safe (one request, one thread at a time).
 class Sampler {
  public:
-  // `eos_token_ids`: the model's end-of-sequence ids. InvalidArgument for bad params.
-  static absl::StatusOr<Sampler> Create(const SamplingParams& params,
-                                        std::span<const int32_t> prompt,
-                                        std::vector<int32_t> eos_token_ids);
+  // `eos_token_ids`: the model's end-of-sequence ids. `params` must satisfy
+  // ValidateSamplingParams: the process that received them checked them (common/sampling);
+  // debug builds assert it.
+  static Sampler Create(const SamplingParams& params, std::span<const int32_t> prompt,
+                        std::vector<int32_t> eos_token_ids);
 
   // Picks the next token from `logits` (vocab_size values; not modified) for step
   // generated().size(). Does not record it: call Accept. InvalidArgument for empty logits.
   absl::StatusOr<int32_t> Sample(std::span<const float> logits) const;
-  // Records `token` as generated and returns why generation must stop now (kNone: continue).
+  // Records `token` as generated and returns why generation must stop now: kEos, kStop (a stop
+  // token id), kLength, or kNone (continue).
   FinishReason Accept(int32_t token);
 
   const std::vector<int32_t>& generated() const { return generated_; }

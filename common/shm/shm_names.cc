@@ -10,6 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "common/base/status_macros.h"
+#include "common/process/socket_path.h"
+
 namespace hmoe::shm {
 
 absl::Status ValidateInstanceName(std::string_view instance) {
@@ -40,28 +43,7 @@ std::string RuntimeDir() {
 
 absl::StatusOr<std::string> EnsureRuntimeDir() {
   const std::string dir = RuntimeDir();
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("create runtime dir ", dir, ": ", std::strerror(errno)));
-  }
-  struct stat st {};
-  if (::lstat(dir.c_str(), &st) != 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("stat runtime dir ", dir, ": ", std::strerror(errno)));
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    return absl::PermissionDeniedError(absl::StrCat("runtime dir ", dir, " is not a directory"));
-  }
-  if (st.st_uid != ::geteuid()) {
-    return absl::PermissionDeniedError(absl::StrCat("runtime dir ", dir, " is owned by uid ",
-                                                    st.st_uid, ", not by us (uid ", ::geteuid(),
-                                                    ")"));
-  }
-  if ((st.st_mode & 077) != 0) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "runtime dir %s has mode %04o; it must not be accessible to group or others (chmod 700)",
-        dir, st.st_mode & 07777));
-  }
+  HMOE_RETURN_IF_ERROR(process::EnsurePrivateDirectory("runtime dir", dir));
   return dir;
 }
 

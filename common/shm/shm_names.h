@@ -32,7 +32,4 @@ absl::StatusOr<std::string> EnsureRuntimeDir();
 std::string LockFilePath(std::string_view instance);
 std::string DefaultSocketPath(std::string_view instance);
 
-// Unix socket paths must fit sockaddr_un.sun_path (107 usable bytes on Linux).
-inline constexpr size_t kMaxUnixSocketPathBytes = 107;
-
 }  // namespace hmoe::shm

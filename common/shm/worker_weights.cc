@@ -6,6 +6,14 @@
 
 namespace hmoe::shm {
 
+absl::Status CheckWeightSourceFlags(const std::string& model_dir, const std::string& instance) {
+  if (model_dir.empty() == instance.empty()) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --model DIR and --weightd-instance NAME");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<WeightSourceHolder> OpenWeights(const std::string& model_dir,
                                                const std::string& instance) {
   WeightSourceHolder h;

@@ -31,6 +31,10 @@ struct WeightSourceHolder {
   }
 };
 
+// The workers' choice of weights, --model DIR or --weightd-instance NAME: InvalidArgument naming
+// both flags unless exactly one is given.
+absl::Status CheckWeightSourceFlags(const std::string& model_dir, const std::string& instance);
+
 // Opens the checkpoint in `model_dir` when it is not empty, else attaches to the weightd
 // `instance`. Errors of Checkpoint::Open and WeightStore::Attach; an instance whose config.json
 // does not parse keeps ModelConfig::FromJson's code with a message naming the instance;

@@ -1,9 +1,9 @@
-// The CUDA IPC form of the KV hand-off (common/kv/cuda_ipc_import.h) without a GPU: the import
-// logic runs against a fake CUDA runtime whose "GPU memory" is host memory, so every route
+// The CUDA IPC form of the KV hand-off (common/kv_handoff/cuda_ipc_import.h) without a GPU: the
+// import logic runs against a fake CUDA runtime whose "GPU memory" is host memory, so every route
 // (same GPU, peer GPU, through the host), every refusal, and the closing of the mapping on every
 // path are checked here. The real runtime is checked on a GPU machine (label gpu).
 
-#include "common/kv/cuda_ipc_import.h"
+#include "common/kv_handoff/cuda_ipc_import.h"
 
 #include <unistd.h>
 
@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "common/kernels/cuda/cuda_backend.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 
 namespace hmoe {
 namespace {

@@ -20,7 +20,7 @@
 
 #include "common/device/cpu_device.h"
 #include "common/engine/reference/reference_model.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
 #include "decode_worker/forward_pass_step_engine.h"
@@ -227,7 +227,7 @@ TEST_F(DecodeEngineTest, MixedBatchAgreesWithReferenceAndDualBatchChangesNothing
     ASSERT_EQ(channels.size(), lengths.size());
     for (size_t i = 0; i < channels.size(); ++i) {
       Result r = Collect(*channels[i]);
-      ASSERT_EQ(r.finish.cause, FinishCause::kLength) << r.finish.error;
+      ASSERT_EQ(r.finish.reason, FinishReason::kLength) << r.finish.error;
       ASSERT_EQ(r.tokens.size(), static_cast<size_t>(kTokens));
       auto agreement =
           CheckAgreement(*g_model->reference, Prompt(lengths[i], static_cast<int>(i)), r.tokens);
@@ -303,7 +303,7 @@ TEST_F(DecodeEngineTest, ImportedReferenceKvCacheContinuesLikeThePrefill) {
   ASSERT_TRUE(ch.ok()) << ch.status();
   Result res = Collect(**ch);
   EXPECT_TRUE(res.kv_imported);
-  ASSERT_EQ(res.finish.cause, FinishCause::kLength) << res.finish.error;
+  ASSERT_EQ(res.finish.reason, FinishReason::kLength) << res.finish.error;
   std::vector<int32_t> generated = {first};
   generated.insert(generated.end(), res.tokens.begin(), res.tokens.end());
   ASSERT_EQ(generated.size(), static_cast<size_t>(kTokens));

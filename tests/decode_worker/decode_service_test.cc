@@ -1,6 +1,6 @@
 // The decode worker's process seams without a process: proto <-> scheduler translation, the
 // registry client against an in-process router registry that goes down and comes back, and the
-// start-up helpers (flag parsing, KV sizing, the owner-only socket directory). Label "threads".
+// start-up helpers (flag parsing, KV sizing). Label "threads".
 
 #include "decode_worker/decode_service.h"
 
@@ -19,7 +19,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/registry_client.h"
 #include "decode_worker/startup_settings.h"
@@ -138,7 +138,7 @@ TEST(EventToProtoTest, EveryEventKind) {
   ASSERT_TRUE(k.has_kv_imported());
   EXPECT_EQ(k.kv_imported().num_tokens(), 40);
   FinishEvent f;
-  f.cause = FinishCause::kError;
+  f.reason = FinishReason::kError;
   f.error = absl::InternalError("boom");
   f.completion_tokens = 5;
   v1::AdmitResponse e = EventToProto(f);
@@ -314,35 +314,6 @@ TEST(WorkerSetupTest, KvBlocksFromCountOrMemory) {
   EXPECT_TRUE(absl::IsInvalidArgument(ResolveKvBlocks(0, 0, 1000).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(ResolveKvBlocks(0, 1, size_t{2} << 20).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(ResolveKvBlocks(-1, 0, 1000).status()));
-}
-
-TEST(WorkerSetupTest, SocketDirectoryMustBeOwnerOnly) {
-  ScopedTempDir dir;
-  // Created 0700 when missing.
-  const std::string fresh = dir.File("fresh/w.sock");
-  ASSERT_TRUE(PrepareSocketPath(fresh).ok());
-  struct stat st {};
-  ASSERT_EQ(::stat(dir.File("fresh").c_str(), &st), 0);
-  EXPECT_EQ(st.st_mode & 0777, 0700u);
-  // An existing directory open to others is refused.
-  const std::string open_dir = dir.File("open");
-  ASSERT_EQ(::mkdir(open_dir.c_str(), 0755), 0);
-  ASSERT_EQ(::chmod(open_dir.c_str(), 0755), 0);
-  absl::Status s = PrepareSocketPath(open_dir + "/w.sock");
-  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
-  // Bad paths.
-  EXPECT_TRUE(absl::IsInvalidArgument(PrepareSocketPath("relative.sock")));
-  EXPECT_TRUE(absl::IsInvalidArgument(PrepareSocketPath("/" + std::string(200, 'a'))));
-  EXPECT_TRUE(absl::IsInvalidArgument(PrepareSocketPath(dir.path() + "/")));
-  // A regular file where the socket should be is not removed.
-  const std::string file = dir.File("fresh/file.sock");
-  {
-    std::FILE* f = std::fopen(file.c_str(), "w");
-    ASSERT_NE(f, nullptr);
-    std::fclose(f);
-  }
-  EXPECT_TRUE(absl::IsInvalidArgument(PrepareSocketPath(file)));
-  EXPECT_EQ(::access(file.c_str(), F_OK), 0);
 }
 
 }  // namespace

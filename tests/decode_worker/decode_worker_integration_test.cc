@@ -26,7 +26,7 @@
 
 #include "common/device/device.h"
 #include "common/engine/reference/reference_model.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/shm/control_segment.h"
 #include "proto/decode.grpc.pb.h"

@@ -1,7 +1,7 @@
-// The KV hand-off buffer (common/kv/kv_handoff.h): a producer's segment read back by the
+// The KV hand-off buffer (common/kv_handoff/kv_handoff.h): a producer's segment read back by the
 // importer, and every way an importer refuses a buffer.
 
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include <gtest/gtest.h>
 
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "decode_worker/step_runner.h"
 #include "tests/decode_worker/fake_step_engine.h"
 
@@ -123,7 +123,7 @@ TEST_P(SchedulerModeTest, MixedBatchOfSixMatchesGreedyReference) {
   for (size_t i = 0; i < channels.size(); ++i) {
     Outcome o = Collect(*channels[i]);
     ASSERT_TRUE(o.finish.has_value());
-    EXPECT_EQ(o.finish->cause, FinishCause::kLength) << o.finish->error;
+    EXPECT_EQ(o.finish->reason, FinishReason::kLength) << o.finish->error;
     EXPECT_EQ(o.tokens, FakeGreedy(Prompt(prompt_lengths[i], static_cast<int>(i)), max_new[i],
                                    engine.vocab_size()))
         << "request " << i;
@@ -473,7 +473,7 @@ TEST(SchedulerTest, FullWaitingQueueIsResourceExhausted) {
   EXPECT_TRUE(absl::IsResourceExhausted(d.status())) << d.status();
   EXPECT_EQ(scheduler->stats().waiting, 2);
   engine.ReleaseSteps();
-  for (auto& ch : channels) EXPECT_EQ(Collect(*ch).finish->cause, FinishCause::kLength);
+  for (auto& ch : channels) EXPECT_EQ(Collect(*ch).finish->reason, FinishReason::kLength);
 }
 
 // ------------------------------------------------------------------------- stops
@@ -488,7 +488,7 @@ TEST(SchedulerTest, StopTokenEndsTheRequestAndIsNotStreamed) {
   auto ch = scheduler->Submit(std::move(r));
   ASSERT_TRUE(ch.ok());
   Outcome o = Collect(**ch);
-  EXPECT_EQ(o.finish->cause, FinishCause::kStop);
+  EXPECT_EQ(o.finish->reason, FinishReason::kStop);
   EXPECT_EQ(o.finish->stop_token, want[4]);
   EXPECT_EQ(o.tokens, std::vector<int32_t>(want.begin(), want.begin() + first));
   EXPECT_EQ(o.finish->completion_tokens, static_cast<int>(first) + 1);
@@ -505,7 +505,7 @@ TEST(SchedulerTest, EosEndsTheRequestUnlessIgnored) {
   auto ch = scheduler->Submit(std::move(r));
   ASSERT_TRUE(ch.ok());
   Outcome o = Collect(**ch);
-  EXPECT_EQ(o.finish->cause, FinishCause::kEos);
+  EXPECT_EQ(o.finish->reason, FinishReason::kEos);
   EXPECT_EQ(o.finish->stop_token, want[2]);
   const size_t first = std::find(want.begin(), want.end(), want[2]) - want.begin();
   EXPECT_EQ(o.tokens.size(), first);
@@ -513,7 +513,7 @@ TEST(SchedulerTest, EosEndsTheRequestUnlessIgnored) {
   auto ignored = scheduler->Submit(Greedy("i", Prompt(4, 5), 10));  // ignore_eos
   ASSERT_TRUE(ignored.ok());
   Outcome oi = Collect(**ignored);
-  EXPECT_EQ(oi.finish->cause, FinishCause::kLength);
+  EXPECT_EQ(oi.finish->reason, FinishReason::kLength);
   EXPECT_EQ(oi.tokens, want);
 }
 
@@ -536,8 +536,8 @@ TEST(SchedulerTest, CancelFreesKvAtTheNextStepBoundary) {
   EXPECT_TRUE(absl::IsNotFound(scheduler->Cancel("nope", "x")));
   engine.ReleaseSteps();
   Outcome r = Collect(**running), w = Collect(**waiting);
-  EXPECT_EQ(r.finish->cause, FinishCause::kCancelled);
-  EXPECT_EQ(w.finish->cause, FinishCause::kCancelled);
+  EXPECT_EQ(r.finish->reason, FinishReason::kCancelled);
+  EXPECT_EQ(w.finish->reason, FinishReason::kCancelled);
   EXPECT_TRUE(w.tokens.empty());
   EXPECT_LE(r.tokens.size(), 1u);  // at most the step that was running
   EXPECT_TRUE(scheduler->WaitIdle(absl::Now() + absl::Seconds(10)));
@@ -556,12 +556,12 @@ TEST(SchedulerTest, FailedStepFailsItsRequestsAndOthersContinue) {
   std::unique_ptr<Scheduler> scheduler = MakeScheduler(engine, options);
   auto good = scheduler->Submit(Greedy("good", Prompt(3, 1), 4));
   ASSERT_TRUE(good.ok());
-  EXPECT_EQ(Collect(**good).finish->cause, FinishCause::kLength);
+  EXPECT_EQ(Collect(**good).finish->reason, FinishReason::kLength);
   engine.FailOnToken(Prompt(3, 2)[0]);
   auto bad = scheduler->Submit(Greedy("bad", Prompt(3, 2), 4));
   ASSERT_TRUE(bad.ok());
   Outcome o = Collect(**bad);
-  EXPECT_EQ(o.finish->cause, FinishCause::kError);
+  EXPECT_EQ(o.finish->reason, FinishReason::kError);
   EXPECT_TRUE(absl::IsInternal(o.finish->error)) << o.finish->error;
   engine.FailOnToken(-1);
   auto after = scheduler->Submit(Greedy("after", Prompt(3, 3), 4));
@@ -616,7 +616,7 @@ TEST(SchedulerTest, DuplicateIdIsAlreadyExistsAndDrainingIsUnavailable) {
   EXPECT_TRUE(scheduler->stats().draining);
   engine.ReleaseSteps();
   // Draining finishes what was admitted.
-  EXPECT_EQ(Collect(**a).finish->cause, FinishCause::kLength);
+  EXPECT_EQ(Collect(**a).finish->reason, FinishReason::kLength);
   EXPECT_TRUE(scheduler->WaitIdle(absl::Now() + absl::Seconds(10)));
 }
 
@@ -635,8 +635,8 @@ TEST(SchedulerTest, ShutdownCancelsInFlightRequests) {
   engine.ReleaseSteps();
   shutdown.join();
   Outcome oa = Collect(**a), ob = Collect(**b);
-  EXPECT_EQ(oa.finish->cause, FinishCause::kCancelled);
-  EXPECT_EQ(ob.finish->cause, FinishCause::kCancelled);
+  EXPECT_EQ(oa.finish->reason, FinishReason::kCancelled);
+  EXPECT_EQ(ob.finish->reason, FinishReason::kCancelled);
   EXPECT_NE(oa.finish->error.message().find("shutting down"), std::string::npos);
   EXPECT_EQ(engine.kv_blocks_free(), engine.kv_blocks_total());
   EXPECT_TRUE(absl::IsUnavailable(scheduler->Submit(Greedy("c", Prompt(3, 1), 2)).status()));
@@ -714,7 +714,7 @@ TEST_F(KvImportTest, ImportedCacheContinuesLikeAPrefill) {
   Outcome o = Collect(**ch);
   EXPECT_TRUE(o.kv_imported);
   EXPECT_TRUE(o.kv_imported_first);
-  EXPECT_EQ(o.finish->cause, FinishCause::kLength);
+  EXPECT_EQ(o.finish->reason, FinishReason::kLength);
   // The first token is not streamed again; the rest continue exactly as after a local prefill.
   EXPECT_EQ(o.tokens, std::vector<int32_t>(all.begin() + 1, all.end()));
   EXPECT_EQ(o.indices.front(), 1);
@@ -745,7 +745,7 @@ TEST_F(KvImportTest, FirstTokenThatStopsFinishesAtOnce) {
   Outcome o = Collect(**ch);
   EXPECT_TRUE(o.kv_imported);
   EXPECT_TRUE(o.tokens.empty());
-  EXPECT_EQ(o.finish->cause, FinishCause::kLength);
+  EXPECT_EQ(o.finish->reason, FinishReason::kLength);
   EXPECT_EQ(o.finish->completion_tokens, 1);
   EXPECT_TRUE(engine.steps().empty());
 }

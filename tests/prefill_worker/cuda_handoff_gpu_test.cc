@@ -22,7 +22,7 @@
 #include "common/device/device.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/kernels/cuda/cuda_backend.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "tests/decode_worker/decode_test_util.h"
 #include "tests/prefill_worker/handoff_test_util.h"

@@ -29,7 +29,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/prefill.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"

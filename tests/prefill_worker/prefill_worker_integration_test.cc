@@ -26,7 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "common/engine/reference/reference_model.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "proto/decode.grpc.pb.h"
 #include "proto/health.grpc.pb.h"

@@ -48,7 +48,7 @@
 
 #include "common/device/cpu_device.h"
 #include "common/engine/reference/reference_model.h"
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
 #include "decode_worker/forward_pass_step_engine.h"
@@ -736,10 +736,10 @@ TEST_F(RouterStackTest, KillingADslpRankFailsItsRequestAndANewGroupServesTheNext
 // A prefill worker stand-in in this process, until hmoe-prefill-worker exists: it speaks the real
 // hmoe.prefill.v1 protocol on a unix socket and registers with the router as PREFILL; a Prefill
 // runs the FP32 reference over the prompt, writes the KV cache into a real hand-off segment
-// (common/kv/kv_handoff.h, what the decode worker imports) and returns the greedy first token and
-// the handle. As rank > 0 of a DSLP group it returns without a handle. Release removes the
-// segment. So the router's SLP/DSLP dispatch, the hand-off to a real decode worker and Release are
-// exercised end to end with real router and decode processes.
+// (common/kv_handoff/kv_handoff.h, what the decode worker imports) and returns the greedy first
+// token and the handle. As rank > 0 of a DSLP group it returns without a handle. Release removes
+// the segment. So the router's SLP/DSLP dispatch, the hand-off to a real decode worker and Release
+// are exercised end to end with real router and decode processes.
 class ReferencePrefillWorker final : public prefill::v1::PrefillService::Service {
  public:
   static std::unique_ptr<ReferencePrefillWorker> Start(const std::string& id,

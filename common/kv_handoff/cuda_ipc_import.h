@@ -28,7 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 
 namespace hmoe {
 

@@ -178,9 +178,10 @@ struct KvImportTarget {
   int cuda_device = -1;  // CUDA ordinal in this process; -1: host memory (CPU attention)
 };
 
-// Every hand-off kind: shared-memory segments, and CUDA IPC handles (common/kv/cuda_ipc_import.h:
-// the payload stays on the GPU when `target` is the buffer's GPU or a peer of it, else it is
-// copied to host memory; Unavailable on a build or machine without CUDA).
+// Every hand-off kind: shared-memory segments, and CUDA IPC handles
+// (common/kv_handoff/cuda_ipc_import.h: the payload stays on the GPU when `target` is the buffer's
+// GPU or a peer of it, else it is copied to host memory; Unavailable on a build or machine without
+// CUDA).
 std::unique_ptr<KvImporter> NewKvImporter(const KvImportTarget& target);
 
 }  // namespace hmoe

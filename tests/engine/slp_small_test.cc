@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include <gtest/gtest.h>
 
-#include "tests/engine_fast/engine_test_util.h"
-#include "tests/engine_fast/slp_test_util.h"
+#include "tests/engine/engine_test_util.h"
+#include "tests/engine/slp_test_util.h"
 
 namespace hmoe::engine_test {
 namespace {

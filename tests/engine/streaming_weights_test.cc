@@ -14,8 +14,8 @@
 #include <gtest/gtest.h>
 
 #include "common/engine/stream_arena.h"
-#include "tests/engine_fast/engine_test_util.h"
-#include "tests/engine_fast/slp_test_util.h"
+#include "tests/engine/engine_test_util.h"
+#include "tests/engine/slp_test_util.h"
 
 namespace hmoe::engine_test {
 namespace {

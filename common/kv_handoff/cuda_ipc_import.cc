@@ -1,4 +1,4 @@
-#include "common/kv/cuda_ipc_import.h"
+#include "common/kv_handoff/cuda_ipc_import.h"
 
 #include <atomic>
 #include <cstring>

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "common/engine/streaming_weights.h"
-#include "tests/engine_fast/engine_test_util.h"
+#include "tests/engine/engine_test_util.h"
 
 namespace hmoe::engine_test {
 

@@ -1,4 +1,4 @@
-#include "common/kv/kv_handoff.h"
+#include "common/kv_handoff/kv_handoff.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
