@@ -19,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -37,131 +36,16 @@
 #include "common/process/socket_path.h"
 #include "common/rpc/worker_server.h"
 #include "common/shm/worker_weights.h"
+#include "prefill_worker/flags.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/prefill_scheduler.h"
 #include "prefill_worker/prefill_service.h"
 #include "prefill_worker/slp_runner.h"
 
-ABSL_FLAG(std::string, model, "", "checkpoint directory, opened directly (tests, CPU-only use)");
-ABSL_FLAG(std::string, weightd_instance, "", "attach to this hmoe-weightd instance's weights");
-ABSL_FLAG(std::string, socket, "", "unix socket to serve on (its directory must be 0700)");
-ABSL_FLAG(std::string, device, "cpu", "prefill device: cpu or cuda:N");
-ABSL_FLAG(int, threads, 0, "CPU threads for the CPU device's ops (0: all of NUMA node 0)");
-ABSL_FLAG(bool, pin_threads, true, "pin CPU worker threads to cores");
-ABSL_FLAG(int64_t, device_memory_mb, 0,
-          "device memory budget in MiB (0: unlimited on cpu, the free memory on cuda)");
-ABSL_FLAG(double, copy_gbps, 0,
-          "cpu device: cap host-to-device copies at this many GB/s to model a PCIe link (0: off)");
-ABSL_FLAG(int64_t, stream_budget_mb, 0,
-          "device MiB for streamed non-expert modules (0: on cuda 1024 or the largest such "
-          "module; on cpu 3 layers' worth, at most 1024, at least the largest module)");
-ABSL_FLAG(int64_t, ring_slots, 0,
-          "experts ring slots for short prompts (0: experts per layer, capped by device memory)");
-ABSL_FLAG(int64_t, ring_turning_point, 0,
-          "prompt tokens from which the experts ring shrinks to 2 slots (0: computed)");
-ABSL_FLAG(double, device_tflops, 0,
-          "device compute rate for the computed turning point (0: default)");
-ABSL_FLAG(int64_t, max_prompt_tokens, 0,
-          "longest prompt (0: min(max_position_embeddings, 32768)); the KV pool holds it");
-ABSL_FLAG(int64_t, max_step_tokens, 0,
-          "prompt tokens per engine pass (0: max-prompt-tokens, i.e. one pass per prompt)");
-ABSL_FLAG(int, kv_block_tokens, 64, "tokens per KV block of the prefill's KV pool");
-ABSL_FLAG(std::string, kv_export, "auto",
-          "KV hand-off buffer: shm, cuda-ipc, or auto (cuda-ipc on a GPU, shm on the cpu)");
-ABSL_FLAG(double, export_timeout_seconds, 60,
-          "free a KV export nobody released after this many seconds");
-ABSL_FLAG(int, max_waiting, 16, "prefills that may wait; RESOURCE_EXHAUSTED beyond");
-ABSL_FLAG(std::string, router, "", "router registry address; empty: run without a router");
-ABSL_FLAG(std::string, worker_id, "", "worker id for the router and logs (default prefill-<pid>)");
-ABSL_FLAG(int, heartbeat_ms, 1000, "heartbeat period to the router");
-ABSL_FLAG(double, drain_seconds, 30,
-          "on SIGTERM, how long running prefills and unreleased exports may finish");
-ABSL_FLAG(std::string, dslp_ep_mode, "small_ep",
-          "DSLP expert parallelism when the request does not name it: small_ep or standard");
-ABSL_FLAG(double, dslp_join_timeout_seconds, 30,
-          "DSLP: how long a rank waits for the rest of its group to join");
-ABSL_FLAG(double, dslp_peer_timeout_seconds, 5,
-          "DSLP: a peer rank silent this long (no heartbeat) is dead and fails the group");
-
 namespace hmoe::prefill {
 namespace {
 
 using process::FlagError;
-
-// The flags that are not the runner's or the scheduler's, checked.
-struct Flags {
-  DeviceSpec device;
-  int threads = 0;
-  size_t budget_bytes = 0;
-  double copy_gbps = 0;
-  double export_timeout = 0;
-  double drain_seconds = 0;
-  rpc::WorkerServerOptions server;  // all but device, model and start
-};
-
-absl::Status ReadFlags(Flags& f, SlpRunnerOptions& ro, PrefillSchedulerOptions& so) {
-  HMOE_RETURN_IF_ERROR(FlagError(shm::CheckWeightSourceFlags(
-      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weightd_instance))));
-  absl::StatusOr<DeviceSpec> device = ParseDeviceFlag(absl::GetFlag(FLAGS_device));
-  HMOE_RETURN_IF_ERROR(FlagError(device.status()));
-  f.device = *device;
-  const bool cuda = f.device.kind == DeviceKind::kCuda;
-  const std::string kv_export = absl::GetFlag(FLAGS_kv_export);
-  ro.export_kind = KvExportKind::kShm;
-  if (kv_export == "cuda-ipc" || (kv_export == "auto" && cuda)) {
-    ro.export_kind = KvExportKind::kCudaIpc;
-  } else if (kv_export != "shm" && kv_export != "auto") {
-    return FlagError(absl::StrCat("--kv-export: \"", kv_export, "\" is not auto, shm or cuda-ipc"));
-  }
-  if (ro.export_kind == KvExportKind::kCudaIpc && !cuda) {
-    return FlagError("--kv-export cuda-ipc needs --device cuda:N");
-  }
-  absl::StatusOr<EpMode> ep_mode = ParseEpMode(absl::GetFlag(FLAGS_dslp_ep_mode));
-  HMOE_RETURN_IF_ERROR(FlagError(Annotate(ep_mode.status(), "--dslp-ep-mode")));
-  const double join_timeout = absl::GetFlag(FLAGS_dslp_join_timeout_seconds);
-  const double peer_timeout = absl::GetFlag(FLAGS_dslp_peer_timeout_seconds);
-  if (join_timeout <= 0 || peer_timeout <= 0) {
-    return FlagError("--dslp-join-timeout-seconds and --dslp-peer-timeout-seconds must be > 0");
-  }
-  f.threads = absl::GetFlag(FLAGS_threads);
-  const int64_t device_memory_mb = absl::GetFlag(FLAGS_device_memory_mb);
-  f.copy_gbps = absl::GetFlag(FLAGS_copy_gbps);
-  const int64_t stream_budget_mb = absl::GetFlag(FLAGS_stream_budget_mb);
-  f.export_timeout = absl::GetFlag(FLAGS_export_timeout_seconds);
-  f.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
-  const int heartbeat_ms = absl::GetFlag(FLAGS_heartbeat_ms);
-  so.max_waiting = absl::GetFlag(FLAGS_max_waiting);
-  ro.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
-  ro.max_step_tokens = absl::GetFlag(FLAGS_max_step_tokens);
-  ro.kv_block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
-  ro.stream_budget_bytes = static_cast<size_t>(stream_budget_mb) << 20;
-  ro.ring_slots_short = absl::GetFlag(FLAGS_ring_slots);
-  ro.turning_point_tokens = absl::GetFlag(FLAGS_ring_turning_point);
-  ro.device_flops = absl::GetFlag(FLAGS_device_tflops) * 1e12;
-  ro.copy_bytes_per_second = cuda ? 0 : f.copy_gbps * 1e9;
-  if (f.threads < 0 || device_memory_mb < 0 || f.copy_gbps < 0 || stream_budget_mb < 0 ||
-      ro.ring_slots_short < 0 || ro.turning_point_tokens < 0 || ro.device_flops < 0 ||
-      ro.max_prompt_tokens < 0 || ro.max_step_tokens < 0 || ro.kv_block_tokens < 1 ||
-      f.export_timeout <= 0 || f.drain_seconds < 0 || heartbeat_ms < 1 || so.max_waiting < 0) {
-    return FlagError(
-        "numeric flags must not be negative; --kv-block-tokens, --heartbeat-ms and "
-        "--export-timeout-seconds must be > 0");
-  }
-  f.budget_bytes = static_cast<size_t>(device_memory_mb) << 20;
-  f.server.service_name = "hmoe.prefill.v1.PrefillService";
-  f.server.socket_path = absl::GetFlag(FLAGS_socket);
-  f.server.kind = rpc::WorkerKind::kPrefill;
-  f.server.router = absl::GetFlag(FLAGS_router);
-  f.server.worker_id = absl::GetFlag(FLAGS_worker_id);
-  f.server.heartbeat_interval = absl::Milliseconds(heartbeat_ms);
-  if (f.server.worker_id.empty()) f.server.worker_id = absl::StrCat("prefill-", ::getpid());
-  so.export_prefix = ExportPrefix(f.server.worker_id);
-  so.dslp_ep_mode = *ep_mode;
-  so.dslp_join.join_timeout = absl::Seconds(join_timeout);
-  so.dslp_join.peer_timeout = absl::Seconds(peer_timeout);
-  so.dslp_join.cuda_ordinal = cuda ? f.device.ordinal : 0;
-  return process::PrepareSocketPath("--socket", f.server.socket_path);
-}
 
 // H2D copies read weightd's mapping directly: page-lock it read-only once, so every copy is an
 // asynchronous DMA at full PCIe speed with no staging copy.
@@ -187,10 +71,10 @@ std::vector<ScopedHostRegister> RegisterWeights(const shm::WeightSourceHolder& w
 
 absl::Status Run(process::StopSignalWatcher& signals) {
   const absl::Time start = absl::Now();
-  Flags flags;
-  SlpRunnerOptions ro;
-  PrefillSchedulerOptions so;
-  HMOE_RETURN_IF_ERROR(ReadFlags(flags, ro, so));
+  WorkerFlags flags;
+  HMOE_RETURN_IF_ERROR(ReadFlags(flags));
+  const SlpRunnerOptions& ro = flags.runner;
+  const PrefillSchedulerOptions& so = flags.scheduler;
 
   // --- exports left by a previous incarnation with this worker id, and shared-memory DSLP groups
   // whose ranks all died before the group formed
@@ -204,22 +88,17 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   }
 
   // --- weights, device, runner, scheduler
-  absl::StatusOr<shm::WeightSourceHolder> weights =
-      shm::OpenWeights(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weightd_instance));
-  if (!weights.ok()) return Annotate(weights.status(), "open weights");
-  absl::StatusOr<std::unique_ptr<CpuWorkerPool>> pool = CpuWorkerPool::Create(
-      {.threads_per_node = flags.threads, .pin_threads = absl::GetFlag(FLAGS_pin_threads)});
-  if (!pool.ok()) return Annotate(pool.status(), "cpu worker pool");
-  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Device> device,
-                        NewDeviceFromSpec(flags.device,
-                                          {.budget_bytes = flags.budget_bytes,
-                                           .copy_bytes_per_second = flags.copy_gbps * 1e9,
-                                           .pool = pool->get()},
-                                          flags.budget_bytes));
+  CpuDeviceOptions cpu_options;
+  cpu_options.budget_bytes = flags.budget_bytes;
+  cpu_options.copy_bytes_per_second = flags.copy_gbps * 1e9;
+  HMOE_ASSIGN_OR_RETURN(worker::Resources res,
+                        worker::OpenResources(flags.common, cpu_options, flags.budget_bytes));
+  const shm::WeightSourceHolder* weights = &res.weights;
+  Device* device = res.device.get();
   std::vector<ScopedHostRegister> registered;
-  if (flags.device.kind == DeviceKind::kCuda) registered = RegisterWeights(*weights);
+  if (flags.common.device.kind == DeviceKind::kCuda) registered = RegisterWeights(*weights);
   absl::StatusOr<std::unique_ptr<SlpRunner>> runner =
-      SlpRunner::Create(weights->config, weights->source(), *device, **pool, ro);
+      SlpRunner::Create(weights->config, weights->source(), *device, *res.pool, ro);
   if (!runner.ok()) {
     absl::Status s = Annotate(runner.status(), "prefill engine");
     return absl::IsInvalidArgument(s) ? FlagError(s) : s;
@@ -233,18 +112,18 @@ absl::Status Run(process::StopSignalWatcher& signals) {
 
   // --- serve, register
   PrefillServiceImpl service(scheduler.get(), exports.get(), runner->get(),
-                             PrefillServiceInfo{flags.server.worker_id, device->name()});
+                             PrefillServiceInfo{flags.common.server.worker_id, device->name()});
   const SlpRunner& r = **runner;
   PrefillScheduler* sched = scheduler.get();
-  flags.server.device = device->name();
-  flags.server.model = weights->description;
-  flags.server.start = start;
+  flags.common.server.device = device->name();
+  flags.common.server.model = weights->description;
+  flags.common.server.start = start;
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<rpc::WorkerServer> server,
-                        rpc::WorkerServer::Start(flags.server, &service, [sched, &r] {
+                        rpc::WorkerServer::Start(flags.common.server, &service, [sched, &r] {
                           return PrefillLoadReport(*sched, r);
                         }));
-  HMOE_LOG(INFO) << "SERVING on unix:" << flags.server.socket_path << " as "
-                 << flags.server.worker_id << ": " << weights->description << ", device "
+  HMOE_LOG(INFO) << "SERVING on unix:" << flags.common.server.socket_path << " as "
+                 << flags.common.server.worker_id << ": " << weights->description << ", device "
                  << device->name() << " (in use " << (device->bytes_in_use() >> 20)
                  << " MiB: kv pool, scratch, streaming budget "
                  << (r.weights().budget_bytes() >> 20) << " MiB, ring), experts ring "
@@ -261,9 +140,9 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   signals.WaitForStop();
   server->StopServing();
   scheduler->StopAccepting();
-  const absl::Time drain_deadline = absl::Now() + absl::Seconds(flags.drain_seconds);
+  const absl::Time drain_deadline = absl::Now() + absl::Seconds(flags.common.drain_seconds);
   if (!scheduler->WaitIdle(drain_deadline)) {
-    HMOE_LOG(WARNING) << "drain time of " << flags.drain_seconds
+    HMOE_LOG(WARNING) << "drain time of " << flags.common.drain_seconds
                       << " s exceeded; cancelling prefills";
   }
   process::WaitUntil(drain_deadline, [&exports] { return exports->count() == 0; });

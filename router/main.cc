@@ -8,11 +8,9 @@
 
 #include <cstdio>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -20,139 +18,34 @@
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
-#include "common/model/model_config.h"
 #include "common/model/tokenizer.h"
 #include "common/process/daemon.h"
 #include "common/process/socket_path.h"
 #include "router/clock.h"
 #include "router/decode_client.h"
+#include "router/flags.h"
 #include "router/health_service.h"
 #include "router/parse_error_interceptor.h"
 #include "router/prefill_client.h"
 #include "router/registry_service.h"
 #include "router/router.h"
 #include "router/router_service.h"
-#include "router/validation.h"
 #include "router/worker_registry.h"
-
-ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
-          "public gRPC address (host:port; port 0 picks one)");
-ABSL_FLAG(std::string, registry_socket, "",
-          "unix socket for the worker registry (its directory is created 0700); empty: serve the "
-          "registry on --listen too");
-ABSL_FLAG(std::string, model, "", "checkpoint directory: config.json limits and the tokenizer");
-ABSL_FLAG(int, vocab_size, 0, "vocabulary size without --model");
-ABSL_FLAG(int, context_length, 0, "context length without --model (0: unchecked)");
-ABSL_FLAG(int, chunk_threshold, 2048, "prompts with fewer tokens take chunked prefill");
-ABSL_FLAG(int, decode_idle_window_s, 300, "DSLP only when decode was idle this long");
-ABSL_FLAG(int, max_inflight, 256,
-          "requests in flight; RESOURCE_EXHAUSTED beyond (or beyond the room the live decode "
-          "workers advertise, when less)");
-ABSL_FLAG(int, max_prefill_queue, 64,
-          "long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond");
-ABSL_FLAG(bool, cpu_devices_shared, true,
-          "workers on \"cpu\" devices compete for one device (off: CPU prefill workers count as "
-          "not sharing the decode worker's device, so SLP runs next to decode)");
-ABSL_FLAG(std::string, dslp_ep_mode, "default",
-          "DSLP expert parallelism: default, standard, small_ep");
-ABSL_FLAG(int, max_request_bytes, 4 << 20, "largest accepted request message");
-ABSL_FLAG(int, heartbeat_interval_ms, 0,
-          "heartbeat period the router asks workers for; 0: a third of --heartbeat_timeout_ms "
-          "(at most 1000); the timeout must be at least twice the period");
-ABSL_FLAG(int, heartbeat_timeout_ms, 3000, "a worker silent this long is dead");
-ABSL_FLAG(int, retry_wait_ms, 5000, "how long a retried request waits for a live decode worker");
-ABSL_FLAG(int, max_dispatch_attempts, 3,
-          "dispatches of a request that has streamed no token yet (the first plus retries after a "
-          "worker failed); 1: no retries");
-ABSL_FLAG(int, dslp_failure_grace_ms, 2000,
-          "when a DSLP rank reports a broken group, how long the other ranks may take to report");
-ABSL_FLAG(double, drain_seconds, 30, "on SIGTERM, how long in-flight requests may finish");
-ABSL_FLAG(std::string, port_file, "", "write the bound public port here (tests)");
 
 namespace hmoe::router {
 namespace {
 
-using process::FlagError;
-
-// The router's options from the flags and --model's config.json; `tokenizer` gets the model's
-// tokenizer when it has one.
-absl::StatusOr<RouterOptions> ReadOptions(std::unique_ptr<Tokenizer>& tokenizer) {
-  HMOE_RETURN_IF_ERROR(FlagError(ValidateListenAddress(absl::GetFlag(FLAGS_listen))));
-  RouterOptions options;
-  const std::string model_dir = absl::GetFlag(FLAGS_model);
-  options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
-  options.limits.context_length = absl::GetFlag(FLAGS_context_length);
-  if (!model_dir.empty()) {
-    HMOE_ASSIGN_OR_RETURN(const ModelConfig config,
-                          ModelConfig::FromFile(model_dir + "/config.json"));
-    options.limits.vocab_size = static_cast<int32_t>(config.vocab_size);
-    options.limits.context_length = static_cast<int32_t>(config.max_position_embeddings);
-    options.bos_token_id = static_cast<int32_t>(config.bos_token_id);
-    if (!config.eos_token_ids.empty()) {
-      options.eos_token_id = static_cast<int32_t>(config.eos_token_ids[0]);
-    }
-    for (const auto id : config.eos_token_ids) {
-      options.eos_token_ids.push_back(static_cast<int32_t>(id));
-    }
-    absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Load(model_dir);
-    if (t.ok()) {
-      tokenizer = *std::move(t);
-    } else if (absl::IsNotFound(t.status())) {
-      HMOE_LOG(WARNING) << "no tokenizer in " << model_dir << ": token-id prompts only";
-    } else {
-      return t.status();
-    }
-    options.model_name = model_dir;
-  }
-  if (options.limits.vocab_size <= 0)
-    return absl::InvalidArgumentError("give --model DIR or --vocab_size");
-  options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
-  options.limits.max_request_bytes = options.max_request_bytes;
-  options.policy.chunk_threshold_tokens = absl::GetFlag(FLAGS_chunk_threshold);
-  options.policy.decode_idle_window = absl::Seconds(absl::GetFlag(FLAGS_decode_idle_window_s));
-  options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
-  options.max_prefill_queue = absl::GetFlag(FLAGS_max_prefill_queue);
-  options.policy.cpu_devices_shared = absl::GetFlag(FLAGS_cpu_devices_shared);
-  // DSLP group names: unique to this instance and unpredictable, so neither another router nor
-  // another user can hold the shared-memory name of a group before its ranks create it.
-  options.dslp_group_prefix =
-      absl::StrCat("hmoe-dslp-", getpid(), "-", absl::Hex(std::random_device()(), absl::kZeroPad8));
-  if (const std::string ep = absl::GetFlag(FLAGS_dslp_ep_mode); ep == "standard") {
-    options.dslp_ep_mode = 1;
-  } else if (ep == "small_ep") {
-    options.dslp_ep_mode = 2;
-  } else if (ep != "default") {
-    return FlagError(absl::StrCat("--dslp_ep_mode: default, standard or small_ep, got ", ep));
-  }
-  if (options.max_inflight < 1 || options.max_prefill_queue < 0 || options.max_request_bytes < 1) {
-    return FlagError(
-        "--max_inflight and --max_request_bytes must be >= 1, --max_prefill_queue >= 0");
-  }
-  options.retry_wait = absl::Milliseconds(absl::GetFlag(FLAGS_retry_wait_ms));
-  options.max_dispatch_attempts = absl::GetFlag(FLAGS_max_dispatch_attempts);
-  options.dslp_failure_grace = absl::Milliseconds(absl::GetFlag(FLAGS_dslp_failure_grace_ms));
-  if (options.max_dispatch_attempts < 1 || options.dslp_failure_grace < absl::ZeroDuration()) {
-    return FlagError("--max_dispatch_attempts must be >= 1, --dslp_failure_grace_ms >= 0");
-  }
-  return options;
-}
-
 absl::Status Run(process::StopSignalWatcher& signals) {
-  std::unique_ptr<Tokenizer> tokenizer;
-  HMOE_ASSIGN_OR_RETURN(const RouterOptions options, ReadOptions(tokenizer));
-  const int heartbeat_timeout_ms = absl::GetFlag(FLAGS_heartbeat_timeout_ms);
-  const absl::StatusOr<int> heartbeat_interval_ms =
-      ResolveHeartbeatIntervalMs(heartbeat_timeout_ms, absl::GetFlag(FLAGS_heartbeat_interval_ms));
-  HMOE_RETURN_IF_ERROR(FlagError(heartbeat_interval_ms.status()));
-  const std::string registry_socket = absl::GetFlag(FLAGS_registry_socket);
-  if (!registry_socket.empty()) {
-    HMOE_RETURN_IF_ERROR(process::PrepareSocketPath("--registry_socket", registry_socket));
-  }
+  RouterFlags flags;
+  HMOE_RETURN_IF_ERROR(ReadFlags(flags));
+  const RouterOptions& options = flags.options;
+  const std::unique_ptr<Tokenizer>& tokenizer = flags.tokenizer;
+  const std::string& registry_socket = flags.registry_socket;
 
   RealClock clock;
   WorkerRegistry registry(&clock,
-                          {.heartbeat_timeout = absl::Milliseconds(heartbeat_timeout_ms),
-                           .heartbeat_interval = absl::Milliseconds(*heartbeat_interval_ms)});
+                          {.heartbeat_timeout = absl::Milliseconds(flags.heartbeat_timeout_ms),
+                           .heartbeat_interval = absl::Milliseconds(flags.heartbeat_interval_ms)});
   std::unique_ptr<DecodeClientFactory> decode_clients = NewGrpcDecodeClientFactory();
   std::unique_ptr<PrefillClientFactory> prefill_clients = NewGrpcPrefillClientFactory();
   Router router(options, &registry, decode_clients.get(), prefill_clients.get(), tokenizer.get(),
@@ -176,7 +69,7 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   // Twice the request limit: requests in between get validation's INVALID_ARGUMENT naming the
   // limit; gRPC answers RESOURCE_EXHAUSTED beyond.
   builder.SetMaxReceiveMessageSize(2 * options.max_request_bytes);
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&router_service);
   builder.RegisterService(&health);
   std::unique_ptr<grpc::Server> registry_server;
@@ -194,11 +87,11 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", flags.listen,
                                                ": the address is in use (another router?) or "
                                                "not local"));
   }
-  if (const std::string port_file = absl::GetFlag(FLAGS_port_file); !port_file.empty()) {
+  if (const std::string& port_file = flags.port_file; !port_file.empty()) {
     FILE* f = std::fopen(port_file.c_str(), "w");
     if (f != nullptr) {
       std::fprintf(f, "%d\n", port);
@@ -212,7 +105,7 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   // --- drain on SIGTERM
   signals.WaitForStop();
   router.StartDraining();  // health: NOT_SERVING from now on
-  process::WaitUntil(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)),
+  process::WaitUntil(absl::Now() + absl::Seconds(flags.drain_seconds),
                      [&router] { return router.inflight() == 0; });
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   if (registry_server != nullptr) registry_server->Shutdown();
