@@ -38,6 +38,9 @@ SENTENCES = [
     "Fullwidth：ＡＢＣ１２３！",
     "Arabic: مرحبا بالعالم ١٢٣",
     "Hindi: नमस्ते दुनिया",
+    # Unicode 15.0-16.0 (the pre-tokenizer's tables are 16.0, as tokenizers'):
+    "Unicode 15/16: a\U0001FAE8b \U00010D50\U00010D70 x\U0002EBF0\U00031350y "
+    "1\U00016D70\U00016D71\U00016D72 \U00011380\U000113B8! \U0001FA89 A\U0001CC00,\U0001E5D0",
     "combining: e\u0301 a\u0308 n\u0303",
     "nbsp:\u00a0x ideographic:\u3000y zero-width:\u200bz",
     "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi<｜Assistant｜>Hello!<｜end▁of▁sentence｜>",
@@ -57,6 +60,8 @@ ALPHABET = (list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789
                                      "\u2028", "\u0085", "\u000b", "\u000c"] +
             list("😀😂👍🔥🚀✨🌍") + list("，。！？、「」（）：；") + list("０１２３ＡＢＣ") +
             list("∑∞≤≥±×÷√€£¥©®™°§¶•…–—‘’“”") + list("١٢٣مرحبا") + list("नमस्ते") +
+            ["\U0001FAE8", "\U00010D50", "\U00010D70", "\U0002EBF0", "\U00016D70", "\U000113B8",
+             "\U0001CC00", "\U0001E5D0"] +
             ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"])
 
 

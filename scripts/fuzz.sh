@@ -16,7 +16,7 @@ BUILD="$BUILD_ROOT/fuzz"
 JOBS="${HMOE_JOBS:-$(nproc)}"
 WORK="${HMOE_FUZZ_WORKDIR:-$BUILD_ROOT/fuzz-runs}"
 TARGETS=(safetensors model_config checkpoint_index tokenizer_json tokenizer_encode shm_manifest
-  request_validator gguf chat_template)
+  request_validator gguf chat_template tiktoken)
 
 usage() {
   echo "usage: scripts/fuzz.sh list | TARGET|all SECONDS   (targets: ${TARGETS[*]})" >&2

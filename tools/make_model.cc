@@ -39,6 +39,9 @@ ABSL_FLAG(int64_t, num_layers, 0, "override num_hidden_layers (0: preset)");
 ABSL_FLAG(int64_t, experts, 0, "override n_routed_experts (0: preset)");
 ABSL_FLAG(bool, force, false, "write into a non-empty directory, replacing checkpoint files");
 ABSL_FLAG(int, threads, 0, "generation threads (0: all cores)");
+ABSL_FLAG(std::string, tokenizer, "deepseek",
+          "deepseek: tokenizer.json (DeepSeek-V3's form); kimi: tiktoken.model + "
+          "tokenizer_config.json as Kimi-K2 ships them (needs a vocabulary of at least 512)");
 ABSL_FLAG(std::string, format, "safetensors",
           "safetensors: the Hugging Face layout; gguf: OUT/model.gguf (llama.cpp deepseek2)");
 ABSL_FLAG(std::string, quant, "q4_k_m",
@@ -85,6 +88,10 @@ int main(int argc, char** argv) {
   const int num_threads =
       threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "gguf" && absl::GetFlag(FLAGS_tokenizer) != "deepseek") {
+    std::fprintf(stderr, "hmoe-make-model: --tokenizer kimi is for --format safetensors\n");
+    return 2;
+  }
   if (format == "gguf") {
     absl::StatusOr<hmoe::GgufQuantMix> mix = hmoe::ParseGgufQuantMix(absl::GetFlag(FLAGS_quant));
     if (!mix.ok()) {
@@ -116,6 +123,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   hmoe::WriteOptions options;
+  const std::string tokenizer_style = absl::GetFlag(FLAGS_tokenizer);
+  if (tokenizer_style != "deepseek" && tokenizer_style != "kimi") {
+    std::fprintf(stderr, "hmoe-make-model: --tokenizer must be deepseek or kimi, got %s\n",
+                 tokenizer_style.c_str());
+    return 2;
+  }
+  options.tokenizer_style =
+      tokenizer_style == "kimi" ? hmoe::TokenizerStyle::kKimi : hmoe::TokenizerStyle::kDeepSeek;
   options.seed = absl::GetFlag(FLAGS_seed);
   options.fp8 = dtype == "fp8";
   if (absl::GetFlag(FLAGS_shard_size_mb) < 0) {

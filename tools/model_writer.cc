@@ -322,9 +322,10 @@ absl::Status WriteShard(const Shard& shard, const std::string& out_dir, const Mo
 }
 
 bool IsCheckpointFile(const std::string& name) {
-  static constexpr std::string_view kFiles[] = {
-      "config.json",           "generation_config.json", "tokenizer.json",
-      "tokenizer_config.json", "model.safetensors",      "model.safetensors.index.json"};
+  static constexpr std::string_view kFiles[] = {"config.json",       "generation_config.json",
+                                                "tokenizer.json",    "tokenizer_config.json",
+                                                "model.safetensors", "model.safetensors.index.json",
+                                                "tiktoken.model"};
   for (std::string_view f : kFiles) {
     if (name == f) return true;
   }
@@ -611,8 +612,8 @@ absl::Status WriteModel(const ModelPreset& preset, const std::string& out_dir,
   });
   HMOE_RETURN_IF_ERROR(WriteFileAtomically(out_dir + "/model.safetensors.index.json",
                                            json::Serialize(index, 2) + "\n"));
-  HMOE_RETURN_IF_ERROR(
-      WriteTokenizerFiles(out_dir, tokenizer_size, config.max_position_embeddings));
+  HMOE_RETURN_IF_ERROR(WriteTokenizerFiles(out_dir, tokenizer_size, config.max_position_embeddings,
+                                           options.tokenizer_style));
   HMOE_RETURN_IF_ERROR(
       WriteFileAtomically(out_dir + "/generation_config.json", GenerationConfigJson(config)));
   // Last, so that a directory whose writing was interrupted is not a loadable checkpoint.

@@ -21,6 +21,7 @@
 
 #include "common/model/model_config.h"
 #include "common/model/tensor_map.h"
+#include "tools/tokenizer_builder.h"
 
 namespace hmoe {
 
@@ -59,6 +60,9 @@ struct WriteOptions {
   bool force = false;
   // Generation threads (>= 1).
   int num_threads = 2;
+  // kKimi: tiktoken.model + tokenizer_config.json as Kimi-K2 ships them, instead of
+  // tokenizer.json (tools/tokenizer_builder.h).
+  TokenizerStyle tokenizer_style = TokenizerStyle::kDeepSeek;
 };
 
 // Writes the checkpoint to `out_dir` (created if missing). AlreadyExists when `out_dir` is a

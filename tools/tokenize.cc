@@ -17,8 +17,11 @@
 #include "common/base/json.h"
 #include "common/model/tokenizer.h"
 
-ABSL_FLAG(std::string, model, "", "checkpoint directory holding tokenizer.json");
+ABSL_FLAG(std::string, model, "",
+          "checkpoint directory holding tokenizer.json (or tiktoken.model, Kimi-K2's form)");
 ABSL_FLAG(bool, decode, false, "decode ids instead of encoding text");
+ABSL_FLAG(bool, parse_special, true,
+          "match special/added tokens in the text (false: encode them as plain text)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -29,6 +32,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const bool decode = absl::GetFlag(FLAGS_decode);
+  const bool parse_special = absl::GetFlag(FLAGS_parse_special);
   std::string line;
   while (std::getline(std::cin, line)) {
     if (decode) {
@@ -45,7 +49,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "hmoe-tokenize: expected a JSON string per line\n");
       return 1;
     }
-    const std::vector<int32_t> ids = (*tokenizer)->Encode(text->as_string(), /*add_bos=*/false);
+    const std::vector<int32_t> ids =
+        (*tokenizer)->Encode(text->as_string(), /*add_bos=*/false, parse_special);
     for (size_t i = 0; i < ids.size(); ++i) std::printf(i == 0 ? "%d" : " %d", ids[i]);
     std::printf("\n");
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 #include "common/base/json.h"
@@ -352,7 +353,99 @@ std::string ChatTemplate() {
          assistant + "' }}{% endif %}";
 }
 
+// Trains `num_merges` merges into `trainer`; `merges` receives them as (left, right) training
+// token ids (training token t >= 256 is the (t-256)-th merge).
+void Train(int32_t num_merges, Trainer* trainer, std::vector<std::pair<int32_t, int32_t>>* merges) {
+  trainer->AddText(kTrainingText, kTrainingTextWeight);
+  std::string numbers;
+  for (int i = 0; i < 1000; ++i) absl::StrAppend(&numbers, " ", i, i % 10 == 9 ? "\n" : "");
+  trainer->AddText(numbers, 2);
+  uint64_t pseudo_seed = 1;
+  trainer->AddText(PseudoText(pseudo_seed, 4 * num_merges + 1000), 1);
+  merges->reserve(num_merges);
+  while (static_cast<int32_t>(merges->size()) < num_merges) {
+    std::pair<int32_t, int32_t> merged;
+    if (trainer->MergeOnce(&merged)) {
+      merges->push_back(merged);
+    } else {
+      trainer->AddText(PseudoText(++pseudo_seed, 4 * num_merges + 1000), 1);  // more words
+    }
+  }
+}
+
+// A Kimi-K2-style chat template (the turn markers of Kimi-K2's published template, simplified):
+// <|im_system|>system<|im_middle|>...<|im_end|>, then a user/assistant turn per message and the
+// assistant header for the generation prompt.
+std::string KimiChatTemplate() {
+  return "{%- for message in messages -%}"
+         "{%- if loop.first and message['role'] != 'system' -%}"
+         "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|>"
+         "{%- endif -%}"
+         "{%- if message['role'] == 'system' -%}<|im_system|>"
+         "{%- elif message['role'] == 'user' -%}<|im_user|>"
+         "{%- else -%}<|im_assistant|>{%- endif -%}"
+         "{{ message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>"
+         "{%- endfor -%}"
+         "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}";
+}
+
 }  // namespace
+
+absl::StatusOr<BuiltTokenizer> BuildKimiTokenizer(int32_t vocab_size, int64_t model_max_length) {
+  if (vocab_size < kMinKimiVocabSize || vocab_size > kMaxBuiltVocabSize) {
+    return absl::InvalidArgumentError(absl::StrCat("Kimi-style tokenizer vocab size ", vocab_size,
+                                                   " outside [", kMinKimiVocabSize, ", ",
+                                                   kMaxBuiltVocabSize, "]"));
+  }
+  const int32_t num_base = vocab_size - kKimiReservedSpecials;
+  Trainer trainer;
+  std::vector<std::pair<int32_t, int32_t>> merges;
+  Train(num_base - 256, &trainer, &merges);
+
+  // tiktoken.model: byte b has rank b, the i-th merged token rank 256 + i.
+  BuiltTokenizer built;
+  for (int32_t t = 0; t < num_base; ++t) {
+    absl::StrAppend(&built.tiktoken_model, absl::Base64Escape(trainer.token_bytes(t)), " ", t,
+                    "\n");
+  }
+  std::vector<std::pair<std::string, json::Value>> decoder;
+  for (const auto& [offset, content] : KimiSpecialTokens()) {
+    decoder.emplace_back(absl::StrCat(num_base + offset),
+                         json::Value::Object({
+                             {"content", json::Value::String(std::string(content))},
+                             {"lstrip", json::Value::Bool(false)},
+                             {"normalized", json::Value::Bool(false)},
+                             {"rstrip", json::Value::Bool(false)},
+                             {"single_word", json::Value::Bool(false)},
+                             {"special", json::Value::Bool(true)},
+                         }));
+  }
+  json::Value additional = json::Value::Array();
+  for (std::string_view token :
+       {"<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>", "<|end_header_id|>",
+        "[EOT]", "<|im_system|>", "<|im_middle|>"}) {
+    additional.Append(json::Value::String(std::string(token)));
+  }
+  json::Value config = json::Value::Object({
+      {"added_tokens_decoder", json::Value::Object(std::move(decoder))},
+      {"additional_special_tokens", std::move(additional)},
+      {"auto_map",
+       json::Value::Object(
+           {{"AutoTokenizer",
+             json::Value::Array({json::Value::String("tokenization_kimi.TikTokenTokenizer"),
+                                 json::Value::Null()})}})},
+      {"bos_token", json::Value::String("[BOS]")},
+      {"clean_up_tokenization_spaces", json::Value::Bool(false)},
+      {"eos_token", json::Value::String("[EOS]")},
+      {"model_max_length", json::Value::Integer(model_max_length)},
+      {"pad_token", json::Value::String("[PAD]")},
+      {"tokenizer_class", json::Value::String("TikTokenTokenizer")},
+      {"unk_token", json::Value::String("[UNK]")},
+      {"chat_template", json::Value::String(KimiChatTemplate())},
+  });
+  built.tokenizer_config_json = json::Serialize(config, 2) + "\n";
+  return built;
+}
 
 absl::StatusOr<BuiltTokenizer> BuildTokenizer(int32_t vocab_size, int64_t model_max_length) {
   if (vocab_size < kMinBuiltVocabSize || vocab_size > kMaxBuiltVocabSize) {
@@ -361,26 +454,9 @@ absl::StatusOr<BuiltTokenizer> BuildTokenizer(int32_t vocab_size, int64_t model_
                                                    kMaxBuiltVocabSize, "]"));
   }
   const int32_t num_merges = vocab_size - kMinBuiltVocabSize;
-
   Trainer trainer;
-  trainer.AddText(kTrainingText, kTrainingTextWeight);
-  std::string numbers;
-  for (int i = 0; i < 1000; ++i) absl::StrAppend(&numbers, " ", i, i % 10 == 9 ? "\n" : "");
-  trainer.AddText(numbers, 2);
-  uint64_t pseudo_seed = 1;
-  trainer.AddText(PseudoText(pseudo_seed, 4 * num_merges + 1000), 1);
-
-  // Merges as (left, right) training token ids; training token t >= 256 is the (t-256)-th merge.
   std::vector<std::pair<int32_t, int32_t>> merges;
-  merges.reserve(num_merges);
-  while (static_cast<int32_t>(merges.size()) < num_merges) {
-    std::pair<int32_t, int32_t> merged;
-    if (trainer.MergeOnce(&merged)) {
-      merges.push_back(merged);
-    } else {
-      trainer.AddText(PseudoText(++pseudo_seed, 4 * num_merges + 1000), 1);  // more words
-    }
-  }
+  Train(num_merges, &trainer, &merges);
 
   // Training token t -> final id: bytes at 3 + b, merges after them.
   const auto final_id = [](int32_t t) { return kBuiltFirstByteId + t; };
@@ -465,7 +541,12 @@ absl::StatusOr<BuiltTokenizer> BuildTokenizer(int32_t vocab_size, int64_t model_
 }
 
 absl::Status WriteTokenizerFiles(const std::string& dir, int32_t vocab_size,
-                                 int64_t model_max_length) {
+                                 int64_t model_max_length, TokenizerStyle style) {
+  if (style == TokenizerStyle::kKimi) {
+    HMOE_ASSIGN_OR_RETURN(BuiltTokenizer built, BuildKimiTokenizer(vocab_size, model_max_length));
+    HMOE_RETURN_IF_ERROR(WriteFileAtomically(dir + "/tiktoken.model", built.tiktoken_model));
+    return WriteFileAtomically(dir + "/tokenizer_config.json", built.tokenizer_config_json);
+  }
   HMOE_ASSIGN_OR_RETURN(BuiltTokenizer built, BuildTokenizer(vocab_size, model_max_length));
   HMOE_RETURN_IF_ERROR(WriteFileAtomically(dir + "/tokenizer.json", built.tokenizer_json));
   return WriteFileAtomically(dir + "/tokenizer_config.json", built.tokenizer_config_json);

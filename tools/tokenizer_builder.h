@@ -13,8 +13,10 @@
 // The same inputs always produce byte-identical files.
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "absl/status/statusor.h"
 
@@ -35,17 +37,59 @@ inline constexpr int32_t kMinBuiltVocabSize = 261;
 inline constexpr int32_t kMaxBuiltVocabSize = 65536;
 
 struct BuiltTokenizer {
-  std::string tokenizer_json;         // Hugging Face tokenizer.json, pretty-printed
+  std::string tokenizer_json;         // Hugging Face tokenizer.json, pretty-printed ("" for Kimi)
   std::string tokenizer_config_json;  // tokenizer_config.json
+  std::string tiktoken_model;         // Kimi style only: tiktoken.model
+};
+
+// Kimi-K2 style (tiktoken.model + tokenizer_config.json, no tokenizer.json), vocabulary size N:
+//   0 .. 255          the byte tokens (rank b for byte b)
+//   256 .. N-257      one token per merge of the same training, in merge order (rank = id)
+//   N-256 .. N-1      the 256 special slots of tokenization_kimi.py; named (added_tokens_decoder)
+//                     at Kimi-K2's offsets: [BOS] +0, [EOS] +1, <|im_end|> +2, ..., [UNK] +254,
+//                     [PAD] +255; the others are <|reserved_token_ID|>.
+inline constexpr int32_t kKimiReservedSpecials = 256;
+inline constexpr int32_t kMinKimiVocabSize = 256 + kKimiReservedSpecials;
+// The named specials of Kimi-K2 as (offset after the ranks, content).
+inline constexpr std::pair<int32_t, std::string_view> kKimiNamedSpecials[] = {
+    {0, "[BOS]"},
+    {1, "[EOS]"},
+    {2, "<|im_end|>"},
+    {3, "<|im_user|>"},
+    {4, "<|im_assistant|>"},
+    {6, "<|start_header_id|>"},
+    {7, "<|end_header_id|>"},
+    {9, "[EOT]"},
+    {10, "<|im_system|>"},
+    {11, "<|tool_calls_section_begin|>"},
+    {12, "<|tool_calls_section_end|>"},
+    {13, "<|tool_call_begin|>"},
+    {14, "<|tool_call_argument_begin|>"},
+    {15, "<|tool_call_end|>"},
+    {17, "<|im_middle|>"},
+    {254, "[UNK]"},
+    {255, "[PAD]"},
+};
+inline std::span<const std::pair<int32_t, std::string_view>> KimiSpecialTokens() {
+  return kKimiNamedSpecials;
+}
+
+enum class TokenizerStyle {
+  kDeepSeek,  // tokenizer.json + tokenizer_config.json (BuildTokenizer)
+  kKimi,      // tiktoken.model + tokenizer_config.json (BuildKimiTokenizer)
 };
 
 // Builds a tokenizer with exactly `vocab_size` ids. InvalidArgument unless
 // kMinBuiltVocabSize <= vocab_size <= kMaxBuiltVocabSize.
 absl::StatusOr<BuiltTokenizer> BuildTokenizer(int32_t vocab_size, int64_t model_max_length);
+// The Kimi-K2-style tokenizer with exactly `vocab_size` ids. InvalidArgument unless
+// kMinKimiVocabSize <= vocab_size <= kMaxBuiltVocabSize.
+absl::StatusOr<BuiltTokenizer> BuildKimiTokenizer(int32_t vocab_size, int64_t model_max_length);
 
 // BuildTokenizer, then writes `dir`/tokenizer.json and `dir`/tokenizer_config.json (`dir` must
-// exist).
+// exist); with kKimi BuildKimiTokenizer and `dir`/tiktoken.model instead of tokenizer.json.
 absl::Status WriteTokenizerFiles(const std::string& dir, int32_t vocab_size,
-                                 int64_t model_max_length);
+                                 int64_t model_max_length,
+                                 TokenizerStyle style = TokenizerStyle::kDeepSeek);
 
 }  // namespace hmoe

@@ -6,6 +6,8 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 #include "common/base/json.h"
@@ -98,6 +100,7 @@ struct Unit {
   uint32_t cp;
   uint32_t offset;  // byte offset in the text
   CharClass cls;
+  uint8_t props;  // CodePointProps(cp) (0 for an ill-formed byte)
 };
 
 constexpr uint32_t kNoCodePoint = 0xFFFFFFFFu;
@@ -112,11 +115,12 @@ std::vector<Unit> DecodeUnits(std::string_view text) {
     bool truncated = false;
     const size_t n = Utf8SequenceLength(text.substr(pos), &cp, &prefix, &truncated);
     if (n == 0) {
-      units.push_back({kNoCodePoint, static_cast<uint32_t>(pos), CharClass::kOther});
+      units.push_back({kNoCodePoint, static_cast<uint32_t>(pos), CharClass::kOther, 0});
       ++pos;
       continue;
     }
-    units.push_back({cp, static_cast<uint32_t>(pos), ClassifyCodePoint(cp)});
+    const uint8_t props = CodePointProps(cp);
+    units.push_back({cp, static_cast<uint32_t>(pos), PropsClass(props), props});
     pos += n;
   }
   return units;
@@ -238,6 +242,113 @@ size_t MatchGpt2(const std::vector<Unit>& u, size_t pos, size_t end) {
   return 0;
 }
 
+// ------------------------------------------------------------------ Kimi-K2 (tiktoken pat_str)
+
+bool IsHan(const Unit& u) { return PropsHan(u.props); }
+// [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]
+bool IsKimiUpper(const Unit& u) {
+  const LetterKind k = PropsLetterKind(u.props);
+  return !IsHan(u) &&
+         (k == LetterKind::kUpper || k == LetterKind::kOther || u.cls == CharClass::kMark);
+}
+// [\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]
+bool IsKimiLower(const Unit& u) {
+  const LetterKind k = PropsLetterKind(u.props);
+  return !IsHan(u) &&
+         (k == LetterKind::kLower || k == LetterKind::kOther || u.cls == CharClass::kMark);
+}
+// In both classes above: Lm, Lo, M (not Han).
+bool IsKimiShared(const Unit& u) {
+  return !IsHan(u) && (PropsLetterKind(u.props) == LetterKind::kOther || u.cls == CharClass::kMark);
+}
+// [^\r\n\p{L}\p{N}]
+bool IsKimiPrefix(const Unit& u) {
+  return !IsCrLf(u) && u.cls != CharClass::kLetter && u.cls != CharClass::kNumber;
+}
+// [^\s\p{L}\p{N}]
+bool IsKimiOther(const Unit& u) {
+  return u.cls != CharClass::kSpace && u.cls != CharClass::kLetter && u.cls != CharClass::kNumber;
+}
+
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)? at `pos`: its length (0 when absent). Case-insensitive as Rust
+// regex's simple case folding: the only non-ASCII character that folds to one of these letters is
+// U+017F (long s -> s).
+size_t MatchKimiContraction(const std::vector<Unit>& u, size_t pos, size_t end) {
+  if (pos + 1 >= end || u[pos].cp != '\'') return 0;
+  const auto fold = [](uint32_t cp) -> uint32_t {
+    if (cp >= 'A' && cp <= 'Z') return cp + 32;
+    return cp == 0x17F ? 's' : cp;
+  };
+  ThreadTokenizerWork().scan_steps += 3;
+  const uint32_t a = fold(u[pos + 1].cp);
+  if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
+  if (pos + 2 >= end) return 0;
+  const uint32_t b = fold(u[pos + 2].cp);
+  if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return 3;
+  return 0;
+}
+
+constexpr size_t kNoMatch = SIZE_MAX;
+
+// [UPPER]*[LOWER]+(?i:...)? at `q`: the end of the match or kNoMatch. The greedy [UPPER]* takes
+// the whole run of UPPER units; if the unit after it is LOWER (then an Ll), [LOWER]+ continues
+// from there; otherwise [UPPER]* gives back units until [LOWER]+ can start, i.e. to the last
+// unit of the run that is in both classes (Lm, Lo, M), and [LOWER]+ ends right after it (the
+// units after it are Lu/Lt). One pass over the run.
+size_t MatchKimiLowerTail(const std::vector<Unit>& u, size_t q, size_t end) {
+  if (q >= end) return kNoMatch;
+  size_t last_shared = kNoMatch;
+  size_t i = q;
+  while (i < end && IsKimiUpper(u[i])) {
+    if (IsKimiShared(u[i])) last_shared = i;
+    ++i;
+  }
+  ThreadTokenizerWork().scan_steps += i - q + 1;
+  size_t e;
+  if (i < end && IsKimiLower(u[i])) {
+    e = i + RunLength(u, i, end, IsKimiLower);
+  } else if (last_shared != kNoMatch) {
+    e = last_shared + 1;
+  } else {
+    return kNoMatch;
+  }
+  return e + MatchKimiContraction(u, e, end);
+}
+
+// [UPPER]+[LOWER]*(?i:...)? at `q` (tried only where the alternative above failed).
+size_t MatchKimiUpperRun(const std::vector<Unit>& u, size_t q, size_t end) {
+  if (q >= end) return kNoMatch;
+  const size_t run = RunLength(u, q, end, IsKimiUpper);
+  if (run == 0) return kNoMatch;
+  const size_t e = q + run + RunLength(u, q + run, end, IsKimiLower);
+  return e + MatchKimiContraction(u, e, end);
+}
+
+size_t MatchKimi(const std::vector<Unit>& u, size_t pos, size_t end) {
+  const Unit& c = u[pos];
+  // [\p{Han}]+
+  if (IsHan(c)) return RunLength(u, pos, end, IsHan);
+  // The two letter alternatives, each first with the optional prefix unit, then without.
+  const bool prefix = IsKimiPrefix(c) && pos + 1 < end;
+  size_t e = prefix ? MatchKimiLowerTail(u, pos + 1, end) : kNoMatch;
+  if (e == kNoMatch) e = MatchKimiLowerTail(u, pos, end);
+  if (e == kNoMatch && prefix) e = MatchKimiUpperRun(u, pos + 1, end);
+  if (e == kNoMatch) e = MatchKimiUpperRun(u, pos, end);
+  if (e != kNoMatch) return e - pos;
+  // \p{N}{1,3}
+  if (c.cls == CharClass::kNumber) return MatchDigits3(u, pos, end);
+  //  ?[^\s\p{L}\p{N}]+[\r\n]*
+  const size_t start = (c.cp == ' ' && pos + 1 < end && IsKimiOther(u[pos + 1])) ? pos + 1 : pos;
+  if (IsKimiOther(u[start])) {
+    size_t i = start + RunLength(u, start, end, IsKimiOther);
+    i += RunLength(u, i, end, IsCrLf);
+    return i - pos;
+  }
+  // \s*[\r\n]+|\s+(?!\S)|\s+
+  if (c.cls == CharClass::kSpace) return MatchWhitespace(u, pos, end, /*with_newline_rule=*/true);
+  return 0;
+}
+
 size_t MatchRule(SplitRule rule, const std::vector<Unit>& u, size_t pos, size_t end) {
   switch (rule) {
     case SplitRule::kDigits3:
@@ -248,6 +359,8 @@ size_t MatchRule(SplitRule rule, const std::vector<Unit>& u, size_t pos, size_t 
       return MatchDeepSeekV3(u, pos, end);
     case SplitRule::kGpt2:
       return MatchGpt2(u, pos, end);
+    case SplitRule::kKimi:
+      return MatchKimi(u, pos, end);
   }
   return 0;
 }
@@ -320,8 +433,24 @@ std::string_view SplitRuleRegex(SplitRule rule) {
              "\\s+(?!\\S)|\\s+";
     case SplitRule::kGpt2:
       return "";
+    case SplitRule::kKimi:
+      return KimiPattern();
   }
   return "";
+}
+
+std::string_view KimiPattern() {
+  return "[\\p{Han}]+|"
+         "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*"
+         "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+"
+         "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+}
+
+const std::vector<SplitRule>& KimiRules() {
+  static const std::vector<SplitRule> rules = {SplitRule::kKimi};
+  return rules;
 }
 
 const std::vector<SplitRule>& DeepSeekV3Rules() {
@@ -438,8 +567,19 @@ constexpr int64_t kMaxTokenId = int64_t{1} << 24;
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_dir) {
-  HMOE_ASSIGN_OR_RETURN(std::string tokenizer_json,
-                        ReadFileToString(model_dir + "/tokenizer.json"));
+  absl::StatusOr<std::string> tokenizer_json = ReadFileToString(model_dir + "/tokenizer.json");
+  std::string tiktoken_model;
+  if (!tokenizer_json.ok()) {
+    if (!absl::IsNotFound(tokenizer_json.status())) return tokenizer_json.status();
+    // Kimi-K2's form: tiktoken.model beside tokenizer_config.json.
+    absl::StatusOr<std::string> tiktoken = ReadFileToString(model_dir + "/tiktoken.model");
+    if (!tiktoken.ok()) {
+      if (!absl::IsNotFound(tiktoken.status())) return tiktoken.status();
+      return absl::NotFoundError(
+          absl::StrCat(model_dir, ": no tokenizer (neither tokenizer.json nor tiktoken.model)"));
+    }
+    tiktoken_model = *std::move(tiktoken);
+  }
   std::string config_json;
   {
     absl::StatusOr<std::string> config = ReadFileToString(model_dir + "/tokenizer_config.json");
@@ -449,7 +589,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& mo
       return config.status();
     }
   }
-  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = FromJson(tokenizer_json, config_json);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      tokenizer_json.ok() ? FromJson(*tokenizer_json, config_json)
+                          : FromTiktoken(tiktoken_model, config_json);
   if (!tokenizer.ok()) return Annotate(tokenizer.status(), model_dir);
   return tokenizer;
 }
@@ -461,6 +603,193 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(
   if (!tokenizer_config_json.empty())
     HMOE_RETURN_IF_ERROR(t->ParseConfigJson(tokenizer_config_json));
   return t;
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTiktoken(
+    std::string_view tiktoken_model, std::string_view tokenizer_config_json) {
+  std::unique_ptr<Tokenizer> t(new Tokenizer());
+  HMOE_RETURN_IF_ERROR(t->ParseTiktoken(tiktoken_model, tokenizer_config_json));
+  if (!tokenizer_config_json.empty())
+    HMOE_RETURN_IF_ERROR(t->ParseConfigJson(tokenizer_config_json));
+  return t;
+}
+
+namespace {
+
+// tokenization_kimi.py's num_reserved_special_tokens: the special ids that follow the ranks.
+constexpr int64_t kTiktokenReservedSpecials = 256;
+
+absl::Status InvalidTiktoken(size_t line, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("tiktoken.model line ", line, ": ", Av(what)));
+}
+
+}  // namespace
+
+absl::Status Tokenizer::ParseTiktoken(std::string_view model, std::string_view config_text) {
+  tiktoken_ = true;
+  ignore_merges_ = true;  // tiktoken: a piece that is a token is that token
+  rules_ = internal::KimiRules();
+  const auto grow = [this](size_t size) {
+    if (size > id_to_token_.size()) {
+      id_to_token_.resize(size);
+      id_to_bytes_.resize(size);
+      is_special_.resize(size, 0);
+    }
+  };
+  // Lines "<base64 bytes> <rank>"; empty lines are skipped (as tiktoken's load_tiktoken_bpe).
+  std::vector<uint8_t> ranked;  // ranked[id]: a rank of tiktoken.model uses the id
+  size_t line_no = 0;
+  std::string bytes;
+  for (size_t pos = 0; pos < model.size();) {
+    size_t eol = model.find('\n', pos);
+    if (eol == std::string_view::npos) eol = model.size();
+    std::string_view line = model.substr(pos, eol - pos);
+    pos = eol + 1;
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty()) continue;
+    const size_t space = line.find(' ');
+    if (space == std::string_view::npos || line.find(' ', space + 1) != std::string_view::npos) {
+      return InvalidTiktoken(line_no, "expected \"<base64 token> <rank>\"");
+    }
+    const std::string_view b64 = line.substr(0, space), rank_text = line.substr(space + 1);
+    int64_t rank = 0;
+    if (rank_text.empty() || rank_text.size() > 9 ||
+        rank_text.find_first_not_of("0123456789") != std::string_view::npos) {
+      return InvalidTiktoken(line_no, absl::StrCat("rank \"", Av(rank_text),
+                                                   "\" is not a non-negative integer below 2^24"));
+    }
+    for (char c : rank_text) rank = rank * 10 + (c - '0');
+    if (rank >= kMaxTokenId) {
+      return InvalidTiktoken(line_no, absl::StrCat("rank ", rank, " is not below 2^24"));
+    }
+    if (b64.find_first_not_of(
+            "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=") !=
+            std::string_view::npos ||
+        !absl::Base64Unescape(Av(b64), &bytes) || bytes.empty()) {
+      return InvalidTiktoken(line_no,
+                             absl::StrCat("token \"", Av(b64), "\" is not non-empty base64"));
+    }
+    const size_t id = static_cast<size_t>(rank);
+    grow(id + 1);
+    if (id >= ranked.size()) ranked.resize(id + 1, 0);
+    if (ranked[id]) return InvalidTiktoken(line_no, absl::StrCat("rank ", rank, " appears twice"));
+    ranked[id] = 1;
+    if (!piece_to_id_.emplace(bytes, static_cast<int32_t>(id)).second) {
+      return InvalidTiktoken(line_no, absl::StrCat("token \"", Av(b64), "\" appears twice"));
+    }
+    id_to_bytes_[id] = bytes;
+    id_to_token_[id] = internal::BytesToByteLevel(bytes);
+    token_to_id_.emplace(id_to_token_[id], static_cast<int32_t>(id));
+  }
+  if (piece_to_id_.empty()) return absl::InvalidArgumentError("tiktoken.model: no tokens");
+
+  for (int b = 0; b < 256; ++b) {
+    const auto it = piece_to_id_.find(std::string_view(reinterpret_cast<const char*>(&b), 1));
+    byte_ids_[b] = it == piece_to_id_.end() ? -1 : it->second;
+  }
+  // tiktoken merges the adjacent pair whose concatenation has the lowest rank: every split of a
+  // token into two tokens is a merge of that token's rank.
+  merges_.reserve(piece_to_id_.size() * 2);
+  for (const auto& [token, id] : piece_to_id_) {
+    const std::string_view whole = token;
+    for (size_t split = 1; split < whole.size(); ++split) {
+      const auto l = piece_to_id_.find(whole.substr(0, split));
+      if (l == piece_to_id_.end()) continue;
+      const auto r = piece_to_id_.find(whole.substr(split));
+      if (r == piece_to_id_.end()) continue;
+      const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(l->second)) << 32) |
+                           static_cast<uint32_t>(r->second);
+      merges_.emplace(key, Merge{id, id});
+    }
+  }
+
+  // Special tokens: tokenizer_config.json's added_tokens_decoder ({"<id>": {"content": ...}}),
+  // and "<|reserved_token_<id>|>" for the reserved ids after the ranks that it does not name.
+  std::unordered_map<int64_t, std::string> named;
+  if (!config_text.empty()) {
+    absl::StatusOr<json::Value> parsed = json::Parse(config_text);
+    if (!parsed.ok()) return Annotate(parsed.status(), "tokenizer_config.json");
+    const json::Value* decoder =
+        parsed->is_object() ? parsed->Find("added_tokens_decoder") : nullptr;
+    if (decoder != nullptr && !decoder->is_null()) {
+      if (!decoder->is_object()) {
+        return absl::InvalidArgumentError(
+            "tokenizer_config.json: added_tokens_decoder is not an object");
+      }
+      for (const auto& [key, entry] : decoder->members()) {
+        int64_t id = -1;
+        const json::Value* content = entry.is_object() ? entry.Find("content") : nullptr;
+        if (!absl::SimpleAtoi(Av(key), &id) || id < 0 || id >= kMaxTokenId || content == nullptr ||
+            !content->is_string() || content->as_string().empty()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("tokenizer_config.json: added_tokens_decoder entry \"", key,
+                           "\" needs an id below 2^24 as its key and a non-empty \"content\""));
+        }
+        named[id] = content->as_string();
+      }
+    }
+  }
+  const int64_t num_base = static_cast<int64_t>(piece_to_id_.size());
+  std::vector<std::pair<int64_t, std::string>> specials;
+  for (int64_t id = num_base; id < num_base + kTiktokenReservedSpecials; ++id) {
+    const auto it = named.find(id);
+    specials.emplace_back(
+        id, it != named.end() ? it->second : absl::StrCat("<|reserved_token_", id, "|>"));
+  }
+  for (const auto& [id, content] : named) {
+    if (id < num_base || id >= num_base + kTiktokenReservedSpecials)
+      specials.emplace_back(id, content);
+  }
+  std::sort(specials.begin(), specials.end());
+  std::unordered_map<std::string, int32_t> special_ids;
+  for (auto& [id, content] : specials) {
+    const size_t index = static_cast<size_t>(id);
+    if (index < ranked.size() && ranked[index]) {
+      return absl::InvalidArgumentError(absl::StrCat("tokenizer_config.json: special token \"",
+                                                     content, "\" has id ", id,
+                                                     ", a rank of tiktoken.model"));
+    }
+    if (!special_ids.emplace(content, static_cast<int32_t>(id)).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer_config.json: special token \"", content, "\" appears twice"));
+    }
+    grow(index + 1);
+    id_to_token_[index] = content;
+    id_to_bytes_[index] = content;
+    is_special_[index] = 1;
+    token_to_id_[content] = static_cast<int32_t>(id);  // over a ranked token of the same text
+    AddedToken token;
+    token.content = content;
+    token.id = static_cast<int32_t>(id);
+    token.special = true;
+    added_.push_back(std::move(token));
+  }
+  BuildAddedTrie();
+
+  all_bytes_have_tokens_ = true;
+  for (int b = 0; b < 256; ++b)
+    all_bytes_have_tokens_ = all_bytes_have_tokens_ && byte_ids_[b] >= 0;
+  for (const std::string& token : id_to_bytes_)
+    max_token_bytes_ = std::max(max_token_bytes_, token.size());
+  return absl::OkStatus();
+}
+
+void Tokenizer::BuildAddedTrie() {
+  added_trie_next_.clear();
+  added_trie_token_.assign(1, -1);
+  for (size_t i = 0; i < added_.size(); ++i) {
+    int32_t node = 0;
+    for (char c : added_[i].content) {
+      const uint64_t key = (static_cast<uint64_t>(node) << 8) | static_cast<uint8_t>(c);
+      const auto [it, inserted] =
+          added_trie_next_.emplace(key, static_cast<int32_t>(added_trie_token_.size()));
+      if (inserted) added_trie_token_.push_back(-1);
+      node = it->second;
+    }
+    // The same content twice (same id: checked when loading): the first entry wins.
+    if (added_trie_token_[node] < 0) added_trie_token_[node] = static_cast<int32_t>(i);
+  }
 }
 
 absl::Status Tokenizer::ParseTokenizerJson(std::string_view text) {
@@ -617,19 +946,7 @@ absl::Status Tokenizer::ParseTokenizerJson(std::string_view text) {
       added_.push_back(std::move(token));
     }
   }
-  added_trie_token_.assign(1, -1);
-  for (size_t i = 0; i < added_.size(); ++i) {
-    int32_t node = 0;
-    for (char c : added_[i].content) {
-      const uint64_t key = (static_cast<uint64_t>(node) << 8) | static_cast<uint8_t>(c);
-      const auto [it, inserted] =
-          added_trie_next_.emplace(key, static_cast<int32_t>(added_trie_token_.size()));
-      if (inserted) added_trie_token_.push_back(-1);
-      node = it->second;
-    }
-    // The same content twice (same id: checked above): the first entry wins.
-    if (added_trie_token_[node] < 0) added_trie_token_[node] = static_cast<int32_t>(i);
-  }
+  BuildAddedTrie();
 
   // Bytes of every token, as Hugging Face's ByteLevel decoder computes them: through the byte map
   // when every character is in it, else the token's own text (e.g. "<｜begin▁of▁sentence｜>").
@@ -795,7 +1112,13 @@ std::vector<Tokenizer::AddedMatch> Tokenizer::FindAddedTokens(std::string_view t
 }
 
 void Tokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* ids) const {
-  if (ignore_merges_) {
+  if (ignore_merges_ && tiktoken_) {
+    const auto it = piece_to_id_.find(piece);
+    if (it != piece_to_id_.end()) {
+      ids->push_back(it->second);
+      return;
+    }
+  } else if (ignore_merges_) {
     const auto it = token_to_id_.find(internal::BytesToByteLevel(piece));
     if (it != token_to_id_.end()) {
       ids->push_back(it->second);

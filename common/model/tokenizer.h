@@ -22,9 +22,19 @@
 //   - added_tokens: id, content, special, lstrip, rstrip (single_word and normalized are read but
 //     not applied: there is no normalizer, and DeepSeek's tokens have single_word false).
 //   - decoder: ByteLevel (or null); post_processor is ignored (BOS is added by Encode's add_bos).
+//
+// Or a tiktoken checkpoint as Kimi-K2 ships it (docs/tokenizer.md): tiktoken.model (one line per
+// token: its bytes in base64, a space, its rank = id) with the pre-tokenizer pattern of
+// tokenization_kimi.py (internal::KimiPattern) and special tokens from tokenizer_config.json's
+// added_tokens_decoder (ids of the 256 reserved slots after the ranks that it does not name are
+// "<|reserved_token_ID|>", as tokenization_kimi.py fills them). Encoding is tiktoken's: specials
+// matched exactly (no lstrip/rstrip), a pre-token piece that is a token is that token, otherwise
+// its bytes are merged pairwise, always the adjacent pair whose concatenation has the lowest
+// rank (leftmost on ties).
+//
 // The pre-tokenizer regexes are implemented by hand as scanners over code points (no regex
-// library). Their \p{L}/\p{M}/\p{N}/\p{P}/\p{S} and \s classes are exact for Unicode 14.0
-// (generated table); code points assigned later classify as "other".
+// library). Their \p{L}/\p{M}/\p{N}/\p{P}/\p{S}, letter case, \p{Han} and \s classes are exact
+// for Unicode 16.0 (generated table); code points assigned later classify as "other".
 
 #include <cstdint>
 #include <functional>
@@ -45,7 +55,8 @@ namespace hmoe {
 // Immutable after loading; all const methods are thread-safe.
 class Tokenizer {
  public:
-  // Loads `model_dir`/tokenizer.json (required) and `model_dir`/tokenizer_config.json (optional:
+  // Loads `model_dir`/tokenizer.json (or, without it, `model_dir`/tiktoken.model: FromTiktoken)
+  // and `model_dir`/tokenizer_config.json (optional:
   // without it there is no BOS/EOS/pad and add_bos_token() is false). NotFound when
   // tokenizer.json is missing; InvalidArgument naming the problem for malformed or unsupported
   // content (bad JSON, unknown model type, a merge referencing an unknown token, duplicate ids, a
@@ -54,6 +65,13 @@ class Tokenizer {
   // Same from file contents; `tokenizer_config_json` may be empty (no config).
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(
       std::string_view tokenizer_json, std::string_view tokenizer_config_json);
+  // A tiktoken tokenizer (Kimi-K2's form) from tiktoken.model and tokenizer_config.json
+  // contents (the config may be empty: then only the 256 reserved specials exist). Load() uses
+  // it when `model_dir` has tiktoken.model and no tokenizer.json. InvalidArgument naming the line
+  // for a malformed tiktoken.model (bad base64, a rank that is not an integer, duplicate tokens or
+  // ranks) and for a special token whose id a rank already uses.
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromTiktoken(
+      std::string_view tiktoken_model, std::string_view tokenizer_config_json);
 
   Tokenizer(const Tokenizer&) = delete;
   Tokenizer& operator=(const Tokenizer&) = delete;
@@ -154,6 +172,9 @@ class Tokenizer {
   Tokenizer() = default;
   absl::Status ParseTokenizerJson(std::string_view text);
   absl::Status ParseConfigJson(std::string_view text);
+  absl::Status ParseTiktoken(std::string_view model, std::string_view config);
+  // Builds added_trie_* from added_.
+  void BuildAddedTrie();
   // The added token that matches at `pos`, longest first; nullptr when none.
   // Walks the trie of added tokens: O(length of the longest token that is a prefix there).
   const AddedToken* MatchAddedAt(std::string_view text, size_t pos) const;
@@ -171,6 +192,10 @@ class Tokenizer {
   std::unordered_map<uint64_t, Merge> merges_;  // key: (left id << 32) | right id
   int32_t byte_ids_[256] = {};
   bool ignore_merges_ = false;
+  // tiktoken form only: raw token bytes -> id of the ranked (non-special) tokens, for the whole
+  // piece lookup (ignore_merges_).
+  std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>> piece_to_id_;
+  bool tiktoken_ = false;
   std::vector<internal::SplitRule> rules_;
   std::vector<AddedToken> added_;
   // A byte trie of the added tokens' contents: node 0 is the root; the child of node n by byte b is

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+
 #include "common/model/gguf.h"
 #include "common/model/gguf_model.h"
 #include "common/model/model_config.h"
@@ -192,6 +194,21 @@ int main(int argc, char** argv) {
   // The fuzz tokenizer, as tokenizer.json + separator + tokenizer_config.json.
   ok &= Write(dir + "/tokenizer_json/gen_fuzz_tokenizer",
               hmoe::fuzz::FuzzTokenizerJson() + "\n---\n" + hmoe::fuzz::FuzzTokenizerConfigJson());
+  // A small tiktoken.model (the 256 bytes, a few merges) + separator + a Kimi-style config.
+  std::string tiktoken_model;
+  const char* const kTokens[] = {"He", "ll", "llo", "Hello", " W", "or", "ld", "你好"};
+  for (int b = 0; b < 256; ++b) {
+    tiktoken_model +=
+        absl::Base64Escape(std::string(1, static_cast<char>(b))) + " " + std::to_string(b) + "\n";
+  }
+  for (size_t i = 0; i < std::size(kTokens); ++i) {
+    tiktoken_model += absl::Base64Escape(kTokens[i]) + " " + std::to_string(256 + i) + "\n";
+  }
+  ok &= Write(dir + "/tiktoken/gen_kimi_style",
+              tiktoken_model +
+                  "\n---\n{\"added_tokens_decoder\": {\"264\": {\"content\": \"[BOS]\"}, "
+                  "\"266\": {\"content\": \"<|im_end|>\"}}, \"bos_token\": \"[BOS]\", "
+                  "\"eos_token\": \"<|im_end|>\"}\n");
   ok &= WriteGgufSeeds(dir);
   if (!ok) std::fprintf(stderr, "failed to write the seeds under %s\n", dir.c_str());
   return ok ? 0 : 1;

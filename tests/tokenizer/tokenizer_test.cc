@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -228,6 +230,35 @@ TEST(PreTokenizerTest, CjkKanaAndMarks) {
   EXPECT_THAT(Pieces("한국어 단어"), ElementsAre("한국어", " 단어"));    // Hangul: plain letters
   EXPECT_THAT(Pieces("e\u0301t\u00e9"), ElementsAre("e\u0301t\u00e9"));  // marks join letters
   EXPECT_THAT(Pieces("a 😀😀 b"), ElementsAre("a", " 😀😀", " b"));
+}
+
+// Characters of Unicode 15.0-16.0 (the tables were 14.0 before, where all of these were "other"):
+// the expected splits are Hugging Face tokenizers 0.23.3's (pre_tokenize_str on the tokenizer
+// hmoe-make-model writes, DeepSeek-V3's pre-tokenizer).
+TEST(PreTokenizerTest, Unicode15And16Characters) {
+  // U+1FAE8 shaking face (15.0, So).
+  EXPECT_THAT(Pieces("a\U0001FAE8b"), ElementsAre("a", "\U0001FAE8", "b"));
+  // Garay capital/small letters (16.0, Lu/Ll).
+  EXPECT_THAT(Pieces(" \U00010D50\U00010D70 \U00010D50x"),
+              ElementsAre(" \U00010D50\U00010D70", " \U00010D50x"));
+  // CJK extension I (15.1) and H (15.0), Lo: letters, outside the CJK/kana rule's range.
+  EXPECT_THAT(Pieces("x\U0002EBF0\U00031350y"), ElementsAre("x\U0002EBF0\U00031350y"));
+  // Kirat Rai digits (16.0, Nd): groups of three.
+  EXPECT_THAT(Pieces("1\U00016D70\U00016D71\U00016D72 2"),
+              ElementsAre("1\U00016D70\U00016D71", "\U00016D72", " ", "2"));
+  // Tulu-Tigalari letter + vowel sign (16.0, Lo + Mc).
+  EXPECT_THAT(Pieces("\U00011380\U000113B8!"), ElementsAre("\U00011380\U000113B8", "!"));
+  // U+1FA89 (16.0, So), U+1CC00 (16.0, So), Ol Onal U+1E5D0 (16.0, Lo).
+  EXPECT_THAT(Pieces("\U0001FA89\U0001FA89 ok"), ElementsAre("\U0001FA89\U0001FA89", " ok"));
+  EXPECT_THAT(Pieces("A\U0001CC00,\U0001E5D0"), ElementsAre("A", "\U0001CC00,", "\U0001E5D0"));
+  EXPECT_EQ(internal::PropsLetterKind(internal::CodePointProps(0x10D50)),
+            internal::LetterKind::kUpper);
+  EXPECT_EQ(internal::PropsLetterKind(internal::CodePointProps(0x10D70)),
+            internal::LetterKind::kLower);
+  EXPECT_TRUE(internal::PropsHan(internal::CodePointProps(0x2EBF0)));
+  EXPECT_TRUE(internal::PropsHan(internal::CodePointProps(0x3007)));    // 〇, Nl
+  EXPECT_FALSE(internal::PropsHan(internal::CodePointProps(0x3001)));   // 、 Common
+  EXPECT_FALSE(internal::PropsHan(internal::CodePointProps(0x323B0)));  // unassigned in 16.0
 }
 
 TEST(PreTokenizerTest, PiecesConcatenateToTheInput) {
@@ -602,6 +633,174 @@ TEST(TokenizerBuilderTest, WriteThenLoadFromDirectory) {
   std::filesystem::remove_all(dir);
 }
 
+// ---------------------------------------------------------------------------------- tiktoken
+
+std::vector<std::string> KimiPieces(std::string_view text) {
+  std::vector<std::string> out;
+  for (std::string_view p : internal::PreTokenize(text, internal::KimiRules())) out.emplace_back(p);
+  return out;
+}
+
+// The expected pieces are tiktoken 0.14.0's with Kimi-K2's pat_str (a vocabulary holding every
+// substring of the text, so that each piece is one token: tests/tokenizer/tiktoken_conformance_test
+// checks the same on generated text).
+TEST(KimiPreTokenizerTest, MatchesTiktokenOnWorkedExamples) {
+  EXPECT_THAT(KimiPieces("Hello World"), ElementsAre("Hello", " World"));
+  EXPECT_THAT(KimiPieces("HTTPServer"), ElementsAre("HTTPServer"));
+  EXPECT_THAT(KimiPieces("don't DON'T"), ElementsAre("don't", " DON'T"));
+  EXPECT_THAT(KimiPieces("I'M ſ'ſ"), ElementsAre("I'M", " ſ'ſ"));  // long s
+  // Han script, not only ideographs: 々 (Lm), 〇 (Nl), ⺀ (So) continue the run.
+  EXPECT_THAT(KimiPieces("中文abc々〇⺀x"), ElementsAre("中文", "abc", "々〇⺀", "x"));
+  EXPECT_THAT(KimiPieces("123456"), ElementsAre("123", "456"));
+  EXPECT_THAT(KimiPieces("ab  cd"), ElementsAre("ab", " ", " cd"));
+  EXPECT_THAT(KimiPieces("x!!\n\ny"), ElementsAre("x", "!!\n\n", "y"));
+  // Garay (Unicode 16.0): a capital and a small letter are one word.
+  EXPECT_THAT(KimiPieces("\U00010D50\U00010D70 \U00010D50"),
+              ElementsAre("\U00010D50\U00010D70", " \U00010D50"));
+  // Marks are in both letter classes and in the optional prefix class.
+  EXPECT_THAT(KimiPieces("\u0301ABC"), ElementsAre("\u0301", "ABC"));
+  EXPECT_THAT(KimiPieces("\u00aa\u0301AB"), ElementsAre("\u00aa\u0301", "AB"));
+  EXPECT_THAT(KimiPieces(" \u0301x"), ElementsAre(" \u0301x"));
+  EXPECT_THAT(KimiPieces("!!\u0301"), ElementsAre("!!\u0301"));
+  EXPECT_THAT(KimiPieces("A\u00aaB"), ElementsAre("A\u00aa", "B"));
+  EXPECT_THAT(KimiPieces("\u01c5emal"), ElementsAre("\u01c5emal"));  // Lt
+  EXPECT_THAT(KimiPieces("a\u3000\u3000b"), ElementsAre("a", "\u3000", "\u3000b"));
+  EXPECT_THAT(KimiPieces("\u302a\u302a"), ElementsAre("\u302a\u302a"));  // Han marks
+}
+
+std::string TiktokenLine(std::string_view bytes, int rank) {
+  return absl::StrCat(absl::Base64Escape(absl::string_view(bytes.data(), bytes.size())), " ", rank,
+                      "\n");
+}
+
+// tiktoken.model with the 256 bytes (rank = byte) and `extra` tokens after them.
+std::string TiktokenModel(const std::vector<std::string>& extra) {
+  std::string out;
+  for (int b = 0; b < 256; ++b) out += TiktokenLine(std::string(1, static_cast<char>(b)), b);
+  for (size_t i = 0; i < extra.size(); ++i)
+    out += TiktokenLine(extra[i], 256 + static_cast<int>(i));
+  return out;
+}
+
+std::unique_ptr<Tokenizer> MustLoadTiktoken(const std::string& model, const std::string& config) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::FromTiktoken(model, config);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *std::move(t) : nullptr;
+}
+
+TEST(TiktokenTest, MergesByRankOfTheConcatenationAndTakesWholePieces) {
+  // "ab" (256) ranks before "bc" (257): a+b merge first. With the ranks swapped, b+c first.
+  std::unique_ptr<Tokenizer> t = MustLoadTiktoken(TiktokenModel({"ab", "bc", "abc!"}), "");
+  ASSERT_NE(t, nullptr);
+  EXPECT_THAT(t->Encode("abc", false), ElementsAre(256, 'c'));
+  t = MustLoadTiktoken(TiktokenModel({"bc", "ab"}), "");
+  ASSERT_NE(t, nullptr);
+  EXPECT_THAT(t->Encode("abc", false), ElementsAre('a', 256));
+  // "xyz" is a token no pair of tokens makes: a piece that is a token is that token.
+  t = MustLoadTiktoken(TiktokenModel({"xyz"}), "");
+  ASSERT_NE(t, nullptr);
+  EXPECT_THAT(t->Encode("xyz", false), ElementsAre(256));
+  EXPECT_THAT(t->Encode("xyzz", false), ElementsAre('x', 'y', 'z', 'z'));
+  EXPECT_EQ(t->vocab_size(), 257 + 256);  // the 256 reserved specials follow the ranks
+  EXPECT_EQ(t->IdToToken(257), "<|reserved_token_257|>");
+  EXPECT_TRUE(t->IsSpecial(512));
+  EXPECT_THAT(t->Encode("<|reserved_token_300|>", false), ElementsAre(300));
+  EXPECT_EQ(t->Encode("<|reserved_token_300|>", false, /*parse_special=*/false).size(), 22u);
+  EXPECT_EQ(t->Decode(std::vector<int32_t>{256, 300, 0xE4}), "xyz<|reserved_token_300|>\uFFFD");
+}
+
+TEST(TiktokenTest, SpecialTokensComeFromAddedTokensDecoder) {
+  const std::string config = R"({"added_tokens_decoder": {
+      "256": {"content": "[BOS]", "special": true}, "257": {"content": "<|im_end|>"},
+      "600": {"content": "[FAR]"}}, "bos_token": "[BOS]", "eos_token": "<|im_end|>",
+      "add_bos_token": true})";
+  std::unique_ptr<Tokenizer> t = MustLoadTiktoken(TiktokenModel({}), config);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->bos_id(), 256);
+  EXPECT_EQ(t->eos_id(), 257);
+  EXPECT_EQ(t->vocab_size(), 601);  // a named id beyond the reserved slots counts too
+  EXPECT_THAT(t->Encode("a<|im_end|>[FAR]", true), ElementsAre(256, 'a', 257, 600));
+  EXPECT_EQ(t->IdToToken(258), "<|reserved_token_258|>");
+  EXPECT_EQ(t->Decode(std::vector<int32_t>{256, 'h', 'i', 257}, /*skip_special_tokens=*/true),
+            "hi");
+}
+
+TEST(TiktokenTest, MalformedFilesAreInvalidArgumentNamingTheLine) {
+  const auto expect_invalid = [](const std::string& model, const std::string& config,
+                                 std::string_view part) {
+    absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::FromTiktoken(model, config);
+    ASSERT_FALSE(t.ok()) << part;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+    EXPECT_THAT(std::string(t.status().message()), HasSubstr(part));
+  };
+  expect_invalid("", "", "no tokens");
+  expect_invalid("YQ== 0\nYg==\n", "", "line 2: expected");
+  expect_invalid("YQ== 0\n\nYg== x1\n", "", "line 3: rank \"x1\"");
+  expect_invalid("YQ== 0\nYg== 0\n", "", "line 2: rank 0 appears twice");
+  expect_invalid("YQ== 0\nYQ== 1\n", "", "line 2: token \"YQ==\" appears twice");
+  expect_invalid("Y*== 0\n", "", "line 1: token");
+  expect_invalid("YQ== 99999999\n", "", "not below 2^24");
+  expect_invalid("YQ== 0\n", R"({"added_tokens_decoder": {"0": {"content": "[X]"}}})",
+                 "a rank of tiktoken.model");
+  expect_invalid("YQ== 0\n", R"({"added_tokens_decoder": {"x": {"content": "[X]"}}})",
+                 "added_tokens_decoder entry \"x\"");
+  expect_invalid("YQ== 0\n", R"({"added_tokens_decoder": [1]})", "not an object");
+  expect_invalid("YQ== 0\n",
+                 R"({"added_tokens_decoder": {"1": {"content": "[X]"},)"
+                 R"( "2": {"content": "[X]"}}})",
+                 "appears twice");
+  expect_invalid("YQ== 0\n", R"({"bos_token": "[NOPE]"})", "not in the vocabulary");
+}
+
+TEST(TiktokenTest, LoadPrefersTokenizerJsonAndElseReadsTiktokenModel) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("hmoe_tiktoken_test_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  ASSERT_TRUE(WriteTokenizerFiles(dir.string(), 1024, 4096, TokenizerStyle::kKimi).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir / "tokenizer.json"));
+  absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Load(dir.string());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->vocab_size(), 1024);
+  EXPECT_EQ((*t)->bos_id(), 768);  // [BOS]: the first id after the 768 ranks
+  EXPECT_EQ((*t)->eos_id(), 769);
+  EXPECT_EQ((*t)->pad_id(), 1023);
+  EXPECT_EQ((*t)->IdToToken(773), "<|reserved_token_773|>");
+  EXPECT_EQ((*t)->TokenToId("<|im_middle|>"), 768 + 17);
+  EXPECT_THAT((*t)->chat_template(), HasSubstr("<|im_assistant|>"));
+  const std::string text = "<|im_user|>user<|im_middle|>你好, World! 123 \U0001FAE8<|im_end|>";
+  const std::vector<int32_t> ids = (*t)->Encode(text, false);
+  EXPECT_EQ(ids.front(), 768 + 3);
+  EXPECT_EQ(ids.back(), 768 + 2);
+  EXPECT_EQ((*t)->Decode(ids), text);
+  EXPECT_LT(ids.size(), text.size() / 2);  // the trained ranks merge
+
+  // With a tokenizer.json beside it, that one is loaded.
+  ASSERT_TRUE(WriteTokenizerFiles(dir.string(), 600, 4096).ok());
+  t = Tokenizer::Load(dir.string());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->vocab_size(), 600);
+  EXPECT_EQ((*t)->bos_id(), kBuiltBosId);
+
+  std::filesystem::remove(dir / "tokenizer.json");
+  std::filesystem::remove(dir / "tiktoken.model");
+  t = Tokenizer::Load(dir.string());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(t.status().message()), HasSubstr("neither tokenizer.json nor tiktoken"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TiktokenTest, KimiBuilderIsDeterministicAndRejectsBadSizes) {
+  absl::StatusOr<BuiltTokenizer> a = BuildKimiTokenizer(600, 1024);
+  absl::StatusOr<BuiltTokenizer> b = BuildKimiTokenizer(600, 1024);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->tiktoken_model, b->tiktoken_model);
+  EXPECT_EQ(a->tokenizer_config_json, b->tokenizer_config_json);
+  EXPECT_TRUE(a->tokenizer_json.empty());
+  EXPECT_EQ(BuildKimiTokenizer(kMinKimiVocabSize - 1, 1024).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // ---------------------------------------------------------------------------------- linearity
 
 // Issue 16, finding 8: every part of Encode is linear in its input (BPE: n log n), checked on
@@ -711,6 +910,73 @@ TEST(TokenizerLinearityTest, AdversarialMegabyteInputsDoLinearWork) {
         input.name, w.tokens, w.counts.scan_steps / bytes, gpt2_steps / bytes,
         w.counts.bpe_heap_ops / bytes, w.counts.added_steps / bytes, w.seconds,
         w.seconds / base.seconds);
+  }
+}
+
+// Kimi-K2's tiktoken pre-tokenizer (one rule, internal::SplitRule::kKimi) on the same inputs and
+// on inputs aimed at its letter-case alternatives. Bounds per input byte:
+//  - scan steps <= 12: at a position the rule tries [\p{Han}]+, then the two letter alternatives,
+//    each with and without the prefix unit (4 scans of the letter run that follows, one pass
+//    each, plus 1 unit ending each run and 3 for the contraction), then \p{N}{1,3}, the
+//    punctuation run and the whitespace rule (a run and one look back over it). A failed letter
+//    alternative leaves the run to the next one, which consumes it (the upper-case alternative
+//    takes the whole run), and a shortened match (a run that ends in Lu/Lt after its last Lm/Lo/M)
+//    leaves only Lu/Lt units, which the next position's upper-case alternative consumes: each
+//    unit is scanned by at most 2 positions' attempts, < 12 steps per unit in all.
+//  - heap <= 6 and added-token steps <= 1 + the longest special ("<|reserved_token_NNNN|>", 24
+//    bytes) as above.
+TEST(TokenizerLinearityTest, KimiPreTokenizerDoesLinearWork) {
+  absl::StatusOr<BuiltTokenizer> built = BuildKimiTokenizer(1024, 4096);
+  ASSERT_TRUE(built.ok()) << built.status();
+  std::unique_ptr<Tokenizer> t =
+      MustLoadTiktoken(built->tiktoken_model, built->tokenizer_config_json);
+  ASSERT_NE(t, nullptr);
+  const std::string plain = PlainText(kMiB);
+  const struct {
+    const char* name;
+    std::string text;
+  } inputs[] = {
+      {"plain text", plain},
+      {"digits", RepeatTo("1234567890", kMiB)},
+      {"spaces", RepeatTo(" ", kMiB)},
+      {"spaces then a letter", RepeatTo(" ", kMiB - 1) + "x"},
+      {"newlines and spaces", RepeatTo(" \n ", kMiB)},
+      {"upper case", RepeatTo("A", kMiB)},
+      {"lower case", RepeatTo("a", kMiB)},
+      {"alternating case", RepeatTo("aA", kMiB)},
+      {"mark then upper case", "\u0301" + RepeatTo("A", kMiB - 2)},
+      {"marks and upper case", RepeatTo("\u0301A", kMiB)},
+      {"space mark upper", RepeatTo(" \u0301AB", kMiB)},
+      {"upper then Lo", RepeatTo("AAAAAAA\u00aa", kMiB)},
+      {"Lo then upper", RepeatTo("\u00aaAAAAAAA", kMiB)},
+      {"Lt and Lm", RepeatTo("\u01c5\u02b0", kMiB)},
+      {"marks alone", RepeatTo("\u0301\u0302", kMiB)},
+      {"combining marks", "e" + RepeatTo("\u0301", kMiB - 1)},
+      {"contractions", RepeatTo("A'S", kMiB)},
+      {"apostrophes", RepeatTo("'", kMiB)},
+      {"punctuation and marks", RepeatTo("!\u0301", kMiB)},
+      {"han", RepeatTo("中々〇⺀", kMiB)},
+      {"han and latin", RepeatTo("中a", kMiB)},
+      {"hangul", RepeatTo("가", kMiB)},
+      {"emoji", RepeatTo("\U0001F600", kMiB)},
+      {"unicode 16 garay", RepeatTo("\U00010D50\U00010D70", kMiB)},
+      {"invalid utf-8", RepeatTo("\xff", kMiB)},
+      {"special token prefixes", RepeatTo("<|reserved_token_", kMiB)},
+  };
+  const Work base = MeasureEncode(*t, plain, /*parse_special=*/true);
+  for (const auto& input : inputs) {
+    SCOPED_TRACE(input.name);
+    const double bytes = static_cast<double>(input.text.size());
+    ASSERT_GE(bytes, kMiB - 64);
+    const Work w = MeasureEncode(*t, input.text, /*parse_special=*/true);
+    EXPECT_LE(w.counts.scan_steps, 12 * bytes);
+    EXPECT_LE(w.counts.bpe_heap_ops, 6 * bytes);
+    EXPECT_LE(w.counts.added_steps, 25 * bytes);
+    std::printf(
+        "kimi %-24s %8zu tokens  scan %5.2f/B  heap %4.2f/B  added %5.2f/B  %7.3f s = "
+        "%5.2f x plain text\n",
+        input.name, w.tokens, w.counts.scan_steps / bytes, w.counts.bpe_heap_ops / bytes,
+        w.counts.added_steps / bytes, w.seconds, w.seconds / base.seconds);
   }
 }
 
