@@ -95,6 +95,9 @@ int Run(absl::Time process_start) {
   sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
+  // A segment beyond RLIMIT_FSIZE fails with EFBIG (a clear error, and the partial store is
+  // removed) instead of killing weightd with SIGXFSZ mid-creation.
+  ::signal(SIGXFSZ, SIG_IGN);
   std::atomic<bool> stop{false};
   absl::Notification stop_requested;
   std::jthread signal_thread([&](std::stop_token token) {
