@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -24,6 +25,7 @@
 
 #include "common/base/flags.h"
 #include "common/base/logging.h"
+#include "common/base/unix_socket.h"
 #include "common/model/model_config.h"
 #include "common/model/tokenizer.h"
 #include "router/clock.h"
@@ -92,7 +94,11 @@ bool PrepareSocketDir(const std::string& socket_path) {
     HMOE_LOG(ERROR) << "socket directory " << dir << " must be owned by us with mode 0700";
     return false;
   }
-  unlink(socket_path.c_str());
+  // A stale socket is removed; one a running router accepts on is refused.
+  if (absl::Status s = hmoe::ClaimUnixSocketPath(socket_path, "--registry-socket"); !s.ok()) {
+    HMOE_LOG(ERROR) << s.message();
+    return false;
+  }
   return true;
 }
 
@@ -107,6 +113,13 @@ int main(int argc, char** argv) {
   if (absl::Status s = hmoe::router::ValidateListenAddress(absl::GetFlag(FLAGS_listen)); !s.ok()) {
     HMOE_LOG(ERROR) << s.message();
     return 2;
+  }
+  // A unix --listen path a running router accepts on is refused (gRPC would unlink it and bind).
+  if (const std::string listen = absl::GetFlag(FLAGS_listen); absl::StartsWith(listen, "unix:")) {
+    if (absl::Status s = hmoe::ClaimUnixSocketPath(listen.substr(5), "--listen"); !s.ok()) {
+      HMOE_LOG(ERROR) << s.message();
+      return absl::IsInvalidArgument(s) ? 2 : 1;
+    }
   }
   hmoe::router::RouterOptions options;
   std::unique_ptr<hmoe::Tokenizer> tokenizer;

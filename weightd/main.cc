@@ -29,6 +29,7 @@
 
 #include "common/base/flags.h"
 #include "common/base/logging.h"
+#include "common/base/unix_socket.h"
 #include "common/shm/shm_names.h"
 #include "weightd/weight_daemon.h"
 #include "weightd/weightd_service.h"
@@ -120,8 +121,12 @@ int Run(absl::Time process_start) {
     return 1;
   }
 
-  // We hold the instance lock, so a socket file left at this path is stale.
-  ::unlink(socket_path.c_str());
+  // We hold the instance lock, so a socket file left at this path is stale unless another
+  // instance's weightd was given the same --socket: that one is refused, not taken over.
+  if (absl::Status s = hmoe::ClaimUnixSocketPath(socket_path, "--socket"); !s.ok()) {
+    HMOE_LOG(ERROR) << s.message();
+    return 1;
+  }
   grpc::EnableDefaultHealthCheckService(true);
   WeightdServiceImpl service(daemon->get());
   grpc::ServerBuilder builder;

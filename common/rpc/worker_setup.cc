@@ -17,6 +17,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "common/base/logging.h"
+#include "common/base/unix_socket.h"
 
 namespace hmoe::rpc {
 namespace {
@@ -128,15 +129,9 @@ absl::Status PrepareSocketPath(const std::string& path) {
                      " with mode 0700 (it is uid ", st.st_uid, ", mode ",
                      absl::StrFormat("%04o", st.st_mode & 0777), ")"));
   }
-  struct stat sock {};
-  if (::lstat(path.c_str(), &sock) == 0) {
-    if (!S_ISSOCK(sock.st_mode)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--socket: ", path, " exists and is not a socket"));
-    }
-    ::unlink(path.c_str());  // Stale: a previous worker that did not clean up.
-  }
-  return absl::OkStatus();
+  // A stale socket (a previous worker that did not clean up) is removed; one a running server
+  // accepts on is refused (FailedPrecondition), so a second worker cannot take the path over.
+  return ClaimUnixSocketPath(path, "--socket");
 }
 
 StopSignalWatcher::StopSignalWatcher() {

@@ -69,7 +69,8 @@ absl::StatusOr<bool> ParseOnOff(const std::string& flag, const std::string& valu
 // Makes sure the unix socket `path` can be served safely: absolute, short enough for
 // sockaddr_un, its parent directory created 0700 when missing and otherwise owned by this user
 // and not accessible to group/others (PermissionDenied: another user could swap the socket).
-// Removes a stale socket file at `path`. InvalidArgument for a bad path.
+// Removes a stale socket file at `path`; FailedPrecondition when a running server accepts
+// connections on it (ClaimUnixSocketPath). InvalidArgument for a bad path.
 absl::Status PrepareSocketPath(const std::string& path);
 
 // Takes SIGTERM and SIGINT for the process: the constructor blocks them in the calling thread

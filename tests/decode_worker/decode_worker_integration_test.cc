@@ -507,6 +507,28 @@ TEST_F(DecodeWorkerTest, RequestTheKvPoolCannotHoldIsResourceExhausted) {
   EXPECT_EQ(w->Terminate(), 0);
 }
 
+// Issue #16: a second worker on the socket path of a running one refuses to start with a clear
+// error instead of unlinking the first one's socket (which gRPC would otherwise do before binding:
+// the first worker's clients would then reach the second, and the path would vanish when either
+// exits).
+TEST_F(DecodeWorkerTest, ASecondWorkerOnASocketInUseRefusesToStart) {
+  auto first = Worker::Start("sockfirst", {"--kv-blocks", "16"});
+  ASSERT_NE(first, nullptr);
+  ChildOptions o;
+  o.argv = {kWorker,     "--model", g_shared->model,       "--socket",    first->socket(),
+            "--threads", "1",       "--pin-threads=false", "--kv-blocks", "16"};
+  o.stderr_path = g_shared->dir.File("socksecond.err");
+  absl::StatusOr<ChildProcess> second = ChildProcess::Start(std::move(o));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->WaitForExit(30s).value_or(-1), 1) << second->ReadStderr();
+  EXPECT_NE(second->ReadStderr().find(first->socket() + " is in use"), std::string::npos)
+      << second->ReadStderr();
+  // The first worker still owns its socket and serves on it.
+  EXPECT_TRUE(std::filesystem::exists(first->socket()));
+  EXPECT_EQ(first->Admit(GreedyRequest("still", Prompt(4, 1), 2)).tokens.size(), 2u);
+  EXPECT_EQ(first->Terminate(), 0);
+}
+
 TEST_F(DecodeWorkerTest, ImportsAKvHandOffAndAcknowledgesIt) {
   const reference::ReferenceModel& ref = *g_shared->reference;
   const std::vector<int32_t> prompt = Prompt(33, 5);
