@@ -5,11 +5,13 @@
 #include <random>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/base/unix_socket.h"
 #include "common/model/model_config.h"
 #include "common/process/daemon.h"
 #include "common/process/socket_path.h"
@@ -56,6 +58,12 @@ using process::FlagError;
 absl::Status ReadFlags(RouterFlags& f) {
   f.listen = absl::GetFlag(FLAGS_listen);
   HMOE_RETURN_IF_ERROR(FlagError(ValidateListenAddress(f.listen)));
+  // A unix --listen path a running router accepts on is refused (gRPC would unlink it and bind).
+  if (absl::StartsWith(f.listen, "unix:")) {
+    absl::Status claimed = ClaimUnixSocketPath(f.listen.substr(5), "--listen");
+    if (absl::IsInvalidArgument(claimed)) return FlagError(claimed);
+    HMOE_RETURN_IF_ERROR(claimed);
+  }
   RouterOptions& options = f.options;
   std::unique_ptr<Tokenizer>& tokenizer = f.tokenizer;
   const std::string model_dir = absl::GetFlag(FLAGS_model);

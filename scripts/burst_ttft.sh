@@ -17,10 +17,9 @@ PROMPTS=("The quick brown fox"
   "Summarize:"
   "List the prime numbers below one hundred, separated by commas, and explain why each is prime"
   "a b c d e f g h i j k l m n o p q r s t u v w x y z")
-if [[ ! -x "$HMOE" ]]; then
-  echo "burst_ttft: no client at $HMOE (run scripts/quickstart.sh, or set HMOE)" >&2
-  exit 2
-fi
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"
+require_client burst_ttft "$HMOE"
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-burst.XXXXXX")"
 trap 'rm -rf "$OUT"' EXIT
 for round in $(seq 1 "$ROUNDS"); do
@@ -30,13 +29,7 @@ for round in $(seq 1 "$ROUNDS"); do
   done
   wait
   for i in "${!PROMPTS[@]}"; do
-    ttft=$(grep -o 'TTFT [0-9.]* ms' "$OUT/$i.out" | awk '{print $2}' || true)
-    if [[ -z "$ttft" ]]; then
-      echo "burst_ttft: request $i failed:" >&2
-      cat "$OUT/$i.out" >&2
-      exit 1
-    fi
-    echo "$ttft"
+    ttft_ms "burst_ttft: request $i" "$OUT/$i.out"
   done | sort -n | awk -v r="$round" '{t[NR]=$1; s+=$1} END {
     if (NR == 0) exit 1
     printf "round %d: ", r; for (i = 1; i <= NR; ++i) printf "%s ", t[i];

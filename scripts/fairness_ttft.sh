@@ -19,24 +19,13 @@ ROUNDS="${1:-3}"
 ADDR="${2:-127.0.0.1:50051}"
 LONG="${3:-4096}"
 CHUNK="${4:-512}"
-if [[ ! -x "$HMOE" ]]; then
-  echo "fairness_ttft: no client at $HMOE (set HMOE)" >&2
-  exit 2
-fi
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"
+require_client fairness_ttft "$HMOE"
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-fairness.XXXXXX")"
 trap 'rm -rf "$OUT"' EXIT
 # Token ids 10..2009 repeated (within any vocabulary of the demo models).
 long_ids=$(seq 0 $((LONG - 1)) | awk '{printf "%s%d", (NR > 1 ? "," : ""), 10 + $1 % 2000}')
-ttft() {  # file -> TTFT in ms
-  local t
-  t=$(grep -o 'TTFT [0-9.]* ms' "$1" | awk '{print $2}' || true)
-  if [[ -z "$t" ]]; then
-    echo "fairness_ttft: request failed:" >&2
-    cat "$1" >&2
-    exit 1
-  fi
-  echo "$t"
-}
 short() {
   "$HMOE" generate --addr "$ADDR" --prompt-ids 5,6,7,8 --max-new-tokens 1 --hint chunked \
     >"$1" 2>&1
@@ -49,9 +38,9 @@ for round in $(seq 1 "$ROUNDS"); do
   sleep 1
   short "$OUT/loaded"
   wait "$long_pid" || true  # its output says whether it failed
-  idle=$(ttft "$OUT/idle")
-  loaded=$(ttft "$OUT/loaded")
-  long=$(ttft "$OUT/long")
+  idle=$(ttft_ms fairness_ttft "$OUT/idle")
+  loaded=$(ttft_ms fairness_ttft "$OUT/loaded")
+  long=$(ttft_ms fairness_ttft "$OUT/long")
   awk -v r="$round" -v i="$idle" -v l="$loaded" -v g="$long" -v n="$LONG" -v c="$CHUNK" 'BEGIN {
     chunks = int((n + c - 1) / c); chunk = g / chunks
     printf "round %d: idle %.1f ms, under a %d-token prefill %.1f ms, chunk %.1f ms (long TTFT %.1f / %d), bound 3 x idle + chunk %.1f ms: %s\n",

@@ -6,6 +6,7 @@
 # it a regression test, docs/fuzzing.md).
 #   scripts/fuzz.sh list                 the targets
 #   scripts/fuzz.sh TARGET|all SECONDS   e.g. scripts/fuzz.sh tokenizer_encode 60
+#                                        (TARGET may list several: gguf,chat_template)
 # Environment: HMOE_BUILD_ROOT (default <repo>/build), HMOE_JOBS (default nproc),
 #   HMOE_FUZZ_WORKDIR (default <root>/fuzz-runs), HMOE_FUZZ_ARGS (extra libFuzzer flags).
 set -euo pipefail
@@ -19,7 +20,7 @@ TARGETS=(safetensors model_config checkpoint_index tokenizer_json tokenizer_enco
   request_validator gguf chat_template tiktoken)
 
 usage() {
-  echo "usage: scripts/fuzz.sh list | TARGET|all SECONDS   (targets: ${TARGETS[*]})" >&2
+  echo "usage: scripts/fuzz.sh list | TARGET[,TARGET...]|all SECONDS   (targets: ${TARGETS[*]})" >&2
   exit 2
 }
 [[ $# -ge 1 ]] || usage
@@ -28,7 +29,7 @@ if [[ "$1" == list ]]; then
   exit 0
 fi
 [[ $# -eq 2 && "$2" =~ ^[0-9]+$ && "$2" -gt 0 ]] || usage
-WANT=("$1")
+IFS=, read -r -a WANT <<<"$1"  # one target, several separated by commas, or all
 [[ "$1" == all ]] && WANT=("${TARGETS[@]}")
 for t in "${WANT[@]}"; do
   [[ " ${TARGETS[*]} " == *" $t "* ]] || {

@@ -62,49 +62,21 @@ RUN_DIR="$DEPLOY/run"
 if [[ ${#RUN_DIR} -gt 80 ]]; then RUN_DIR="/tmp/hmoe-quickstart-$(id -u)"; fi  # unix socket paths
 if [[ -f "$CONF" ]] && supervisorctl -c "$CONF" status >/dev/null 2>&1; then
   say "stopping the service a previous quickstart left running"
-  old_pid=$(cat "$RUN_DIR/supervisord.pid" 2>/dev/null || true)
-  supervisorctl -c "$CONF" shutdown >/dev/null || true
-  for _ in $(seq 1 300); do
-    [[ -n "$old_pid" ]] && kill -0 "$old_pid" 2>/dev/null || break
-    sleep 0.2
-  done
+  stop_supervisord "$CONF" "$RUN_DIR"
 fi
 "$HMOE" deploy --model "$MODEL" --out "$DEPLOY" --run-dir "$RUN_DIR" --gpus "$GPUS" \
   --listen "127.0.0.1:$PORT" --instance quickstart --weightd-args=--remove-on-exit
 supervisord -c "$CONF"
-# Stops every program (SIGTERM; each drains and exits) and supervisord, and waits for it.
 stop_service() {
-  local pid
-  pid=$(cat "$RUN_DIR/supervisord.pid" 2>/dev/null || true)
-  supervisorctl -c "$CONF" shutdown >/dev/null 2>&1 || true
-  for _ in $(seq 1 300); do
-    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || break
-    sleep 0.2
-  done
+  stop_supervisord "$CONF" "$RUN_DIR"
   echo "quickstart: service stopped"
 }
 if [[ "${HMOE_KEEP_RUNNING:-0}" != 1 ]]; then trap stop_service EXIT; fi
 
 say "waiting for the router and a live decode worker"
-ready=0
-for _ in $(seq 1 600); do
-  if output_matches 'DECODE +LIVE' "$HMOE" status --addr "127.0.0.1:$PORT" --timeout-s 2; then
-    ready=1
-    break
-  fi
-  # A program that cannot start (weightd, decode worker, router; a prefill worker is optional here:
-  # the demo prompt is short) ends the wait.
-  if output_matches '^(weightd|decode|router) .*(FATAL|BACKOFF)' supervisorctl -c "$CONF" status; then
-    break
-  fi
-  sleep 0.5
-done
-if [[ $ready != 1 ]]; then
-  supervisorctl -c "$CONF" status || true
-  for log in "$DEPLOY"/logs/{weightd,decode,router}.log; do
-    echo "--- $log"
-    tail -n 20 "$log" 2>/dev/null || true
-  done
+# A program that cannot start (weightd, decode worker, router; a prefill worker is optional here:
+# the demo prompt is short) ends the wait.
+if ! wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$DEPLOY/logs"; then
   say "the service did not come up (logs above, all logs in $DEPLOY/logs)"
   exit 1
 fi

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of hybridmoe: installs dependencies (Debian packages), then builds and tests
 #   cpu   - CPU-only build (HMOE_CUDA=OFF): all unit and integration tests
+#   soak  - the chaos soak for HMOE_SOAK_MINUTES (default 3) minutes on the cpu build
+#           (scripts/soak.sh, docs/soak.md; builds the binaries it needs when cpu did not run)
 #   cuda  - CUDA build (archs 90;120): compiles and links everything; GPU tests skip without a GPU
 #   asan  - ASan+UBSan build of the unit tests (labels unit and threads)
 #   tsan  - TSan build of the tests labelled "threads" (where threads meet)
@@ -16,7 +18,7 @@ BUILD_ROOT="${HMOE_BUILD_ROOT:-$ROOT/build}"
 JOBS="${HMOE_JOBS:-$(nproc)}"
 CONFIGS=("$@")
 if [[ ${#CONFIGS[@]} -eq 0 ]]; then
-  CONFIGS=(format cpu cuda asan tsan fuzz)
+  CONFIGS=(format cpu soak cuda asan tsan fuzz)
 fi
 
 log() { printf '\n==== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -74,6 +76,11 @@ for config in "${CONFIGS[@]}"; do
       configure_and_build cpu -- -DHMOE_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
       run_ctest cpu
       ;;
+    soak)
+      log "chaos soak for ${HMOE_SOAK_MINUTES:-3} min"
+      HMOE_BUILD_ROOT="$BUILD_ROOT" HMOE_JOBS="$JOBS" "$ROOT/scripts/soak.sh" \
+        "${HMOE_SOAK_MINUTES:-3}"
+      ;;
     cuda)
       if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
         echo "test.sh: no nvcc on this machine; the CUDA configuration cannot be built" >&2
@@ -103,7 +110,7 @@ for config in "${CONFIGS[@]}"; do
         "${HMOE_FUZZ_SECONDS:-30}"
       ;;
     *)
-      echo "test.sh: unknown configuration '$config' (format, cpu, cuda, asan, tsan, fuzz)" >&2
+      echo "test.sh: unknown configuration '$config' (format, cpu, soak, cuda, asan, tsan, fuzz)" >&2
       exit 2
       ;;
   esac

@@ -3,6 +3,7 @@
 //   hmoe generate --addr ... --prompt-ids 1,2,3 --max-new-tokens 8
 //   hmoe status --addr ...
 //   hmoe health --addr ... [--service NAME] [--wait-s S]
+//   hmoe load --addr ... --duration-s 60 --concurrency 4 --log requests.tsv   (scripts/soak.sh)
 //   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
 // Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
 // tokenizer) to stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path)
@@ -11,11 +12,18 @@
 // writes a supervisord configuration for this node (tools/deploy_config.h, deploy/README.md).
 // Exit code: 0 on success, 1 on an RPC error (its status is printed), 2 on bad usage.
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <iterator>
+#include <map>
+#include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -23,7 +31,9 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include <grpcpp/grpcpp.h>
@@ -73,6 +83,13 @@ ABSL_FLAG(std::string, router_args, "", "deploy: extra hmoe-router flags");
 ABSL_FLAG(std::string, dslp_ep_mode, "",
           "deploy: DSLP expert parallelism across the prefill workers: standard or small_ep "
           "(default: the workers' default, small_ep)");
+// load
+ABSL_FLAG(double, duration_s, 60, "load: send new requests for this long");
+ABSL_FLAG(int, concurrency, 4, "load: client threads, each with one request in flight");
+ABSL_FLAG(std::string, log, "", "load: append one tab-separated line per request to this file");
+ABSL_FLAG(double, burst_every_s, 30, "load: a burst every this many seconds (0: none)");
+ABSL_FLAG(int, burst_size, 100, "load: requests sent at once in a burst");
+ABSL_FLAG(int, long_tokens, 600, "load: long prompts have half to all of this many tokens");
 ABSL_FLAG(int, cpus, 0,
           "deploy: CPU cores shared by two or more CPU prefill workers (0: this machine's)");
 
@@ -298,6 +315,132 @@ int Generate(v1::Hmoe::Stub* stub) {
   return 0;
 }
 
+// --- hmoe load: a bounded mixed load for the chaos soak (scripts/soak.sh, docs/soak.md).
+// Client threads loop over request kinds (short prompts, long prompts past the router's chunk
+// threshold, streams the client cancels after the first token, tight client deadlines) until
+// --duration-s has passed; every --burst-every-s a burst of --burst-size short requests is sent at
+// once, past the stack's capacity. Every request ends as one line of --log:
+//   start_ms end_ms kind status attempts worker_ids message        (tab-separated, Unix ms)
+// and a summary of kinds x statuses goes to stderr.
+struct LoadLog {
+  absl::Mutex mu;
+  std::FILE* file = nullptr;
+  std::map<std::pair<std::string, std::string>, int> counts ABSL_GUARDED_BY(mu);
+};
+
+int64_t UnixMs() { return absl::ToUnixMillis(absl::Now()); }
+
+std::string OneLine(std::string s) {
+  for (char& c : s) {
+    if (c == '\t' || c == '\n' || c == '\r') c = ' ';
+  }
+  return s;
+}
+
+grpc::StatusCode OneRequest(v1::Hmoe::Stub* stub, const v1::ModelInfo& info, const std::string& kind,
+                std::mt19937_64& rng, LoadLog& log) {
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  v1::GenerateRequest req;
+  int prompt_len = uniform(4, 16);
+  int max_new = 8;
+  absl::Duration deadline = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  if (kind == "long") {
+    const int longest = std::min(absl::GetFlag(FLAGS_long_tokens), info.context_length() - 8);
+    prompt_len = uniform(std::max(longest / 2, 1), std::max(longest, 1));
+    max_new = 4;
+  } else if (kind == "cancel") {
+    max_new = 64;
+  } else if (kind == "deadline") {
+    deadline = absl::Milliseconds(uniform(1, 150));
+  }
+  const int top = std::max(info.vocab_size() - 1, 11);
+  for (int i = 0; i < prompt_len; ++i) req.mutable_prompt_token_ids()->add_ids(uniform(10, top));
+  req.set_max_new_tokens(max_new);
+  req.set_ignore_eos(true);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  const int64_t start = UnixMs();
+  auto reader = stub->Generate(&ctx, req);
+  v1::GenerateResponse r;
+  v1::Finished finished;
+  while (reader->Read(&r)) {
+    if (r.has_finished()) finished = r.finished();
+    if (kind == "cancel" && r.has_token()) ctx.TryCancel();
+  }
+  const grpc::Status s = reader->Finish();
+  const int64_t end = UnixMs();
+  const std::string code = CodeName(s.error_code());
+  absl::MutexLock l(&log.mu);
+  ++log.counts[{kind, code}];
+  absl::FPrintF(log.file, "%d\t%d\t%s\t%s\t%d\t%s\t%s\n", start, end, kind, code,
+                finished.timing().attempts(), absl::StrJoin(finished.timing().worker_ids(), ","),
+                OneLine(s.error_message()));
+  return s.error_code();
+}
+
+int Load(v1::Hmoe::Stub* stub) {
+  const std::string path = absl::GetFlag(FLAGS_log);
+  if (path.empty()) {
+    std::cerr << "load: --log FILE is required\n";
+    return 2;
+  }
+  v1::ModelInfo info;
+  grpc::Status s = stub->GetModelInfo(Context().get(), {}, &info);
+  if (!s.ok()) return Fail("GetModelInfo", s);
+  LoadLog log;
+  log.file = std::fopen(path.c_str(), "a");
+  if (log.file == nullptr) {
+    std::cerr << "load: cannot open " << path << ": " << std::strerror(errno) << "\n";
+    return 1;
+  }
+  std::setvbuf(log.file, nullptr, _IOLBF, 0);
+  const absl::Time until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < absl::GetFlag(FLAGS_concurrency); ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(seed * 1000 + t);
+      // short 50 %, long 15 %, cancel 20 %, deadline 15 %.
+      std::discrete_distribution<int> pick({50, 15, 20, 15});
+      static constexpr const char* kKinds[] = {"short", "long", "cancel", "deadline"};
+      while (absl::Now() < until) {
+        // A client told to retry later does so after a pause rather than at once.
+        if (OneRequest(stub, info, kKinds[pick(rng)], rng, log) == grpc::RESOURCE_EXHAUSTED) {
+          absl::SleepFor(absl::Milliseconds(100));
+        }
+      }
+    });
+  }
+  const double every = absl::GetFlag(FLAGS_burst_every_s);
+  if (every > 0) {
+    threads.emplace_back([&] {
+      std::mt19937_64 rng(seed * 1000 + 999);
+      for (absl::Time next = absl::Now() + absl::Seconds(every); next < until;
+           next += absl::Seconds(every)) {
+        absl::SleepFor(next - absl::Now());
+        std::vector<std::thread> burst;
+        for (int i = 0; i < absl::GetFlag(FLAGS_burst_size); ++i) {
+          burst.emplace_back([&, i] {
+            std::mt19937_64 own(rng() + i);
+            OneRequest(stub, info, "burst", own, log);
+          });
+        }
+        for (std::thread& b : burst) b.join();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  std::fclose(log.file);
+  absl::MutexLock l(&log.mu);
+  int total = 0;
+  for (const auto& [key, n] : log.counts) {
+    std::cerr << absl::StrFormat("%-9s %-20s %d\n", key.first, key.second, n);
+    total += n;
+  }
+  std::cerr << "load: " << total << " requests\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -313,12 +456,12 @@ int main(int argc, char** argv) {
     fixed.push_back(a.data());
   }
   hmoe::SetUsage(
-      "hmoe generate|status|health --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
+      "hmoe generate|status|health|load --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
       "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
       "[--prefill-workers N]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
-    std::cerr << "usage: hmoe generate|status|health|deploy [flags] (--help for flags)\n";
+    std::cerr << "usage: hmoe generate|status|health|load|deploy [flags] (--help for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
@@ -328,6 +471,7 @@ int main(int argc, char** argv) {
   if (command == "generate") return Generate(stub.get());
   if (command == "status") return Status(stub.get());
   if (command == "health") return Health(channel);
-  std::cerr << "unknown command " << command << "; use generate, status, health or deploy\n";
+  if (command == "load") return Load(stub.get());
+  std::cerr << "unknown command " << command << "; use generate, status, health, load or deploy\n";
   return 2;
 }

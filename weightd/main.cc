@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -23,6 +24,7 @@
 
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
+#include "common/base/unix_socket.h"
 #include "common/process/daemon.h"
 #include "common/process/socket_path.h"
 #include "common/shm/shm_names.h"
@@ -73,14 +75,18 @@ absl::StatusOr<DaemonOptions> ReadFlags(absl::Time process_start) {
 
 absl::Status Run(absl::Time process_start, process::StopSignalWatcher& signals) {
   HMOE_ASSIGN_OR_RETURN(const DaemonOptions options, ReadFlags(process_start));
+  // A segment beyond RLIMIT_FSIZE fails with EFBIG (a clear error, and the partial store is
+  // removed) instead of killing weightd with SIGXFSZ mid-creation.
+  ::signal(SIGXFSZ, SIG_IGN);
   std::string socket_path = absl::GetFlag(FLAGS_socket);
   if (socket_path.empty()) socket_path = shm::DefaultSocketPath(options.instance);
   HMOE_RETURN_IF_ERROR(process::CheckSocketPath("--socket", socket_path));
   const bool remove_on_exit = absl::GetFlag(FLAGS_remove_on_exit);
   HMOE_ASSIGN_OR_RETURN(std::unique_ptr<WeightDaemon> daemon, WeightDaemon::Create(options));
 
-  // We hold the instance lock, so a socket file left at this path is stale.
-  ::unlink(socket_path.c_str());
+  // We hold the instance lock, so a socket file left at this path is stale unless another
+  // instance's weightd was given the same --socket: that one is refused, not taken over.
+  HMOE_RETURN_IF_ERROR(ClaimUnixSocketPath(socket_path, "--socket"));
   grpc::EnableDefaultHealthCheckService(true);
   WeightdServiceImpl service(daemon.get());
   grpc::ServerBuilder builder;

@@ -388,6 +388,21 @@ absl::Status WeightDaemon::Load(const Checkpoint& checkpoint, const shm::ModelId
   const std::string manifest_bytes = manifest.Serialize();
 
   RemoveOrphanedFiles(options_.instance);
+  // A store that cannot fit is refused before anything is created (no partial store to clean up),
+  // with the size needed and the room there is. The per-segment check in DataSegment::Create
+  // remains for room taken by others while we load.
+  {
+    std::vector<uint64_t> sizes;
+    for (const shm::SegmentLayout& layout : manifest.segments) sizes.push_back(layout.used_bytes);
+    absl::StatusOr<shm::SharedMemoryRoom> room = options_.shared_memory_room.has_value()
+                                                     ? *options_.shared_memory_room
+                                                     : shm::ReadSharedMemoryRoom();
+    if (room.ok()) {
+      HMOE_RETURN_IF_ERROR(shm::CheckRoomForSegments(sizes, options_.hugepages, *room));
+    } else {
+      HMOE_LOG(WARNING) << "cannot check the room for the store: " << room.status().message();
+    }
+  }
   HMOE_ASSIGN_OR_RETURN(ControlSegment control,
                         ControlSegment::Create(options_.instance, manifest_bytes.size()));
   // From here on, a failure removes what was created (a crash leaves it to the next weightd,

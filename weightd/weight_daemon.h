@@ -53,6 +53,9 @@ struct DaemonOptions {
   uint64_t load_chunk_bytes = uint64_t{16} << 20;
   bool progress_tty = false;  // draw a progress bar (stderr is a terminal) instead of log lines
   absl::Time process_start = absl::Now();
+  // The room for the store's segments; unset: read from the machine (shm::ReadSharedMemoryRoom).
+  // Set by tests to play a /dev/shm too small for the weights (tmpfs sizes need root to change).
+  std::optional<shm::SharedMemoryRoom> shared_memory_room;
 };
 
 enum class DaemonState { kStarting, kLoading, kReady, kFailed, kStopping };

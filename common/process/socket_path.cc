@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 
 #include "common/base/status_macros.h"
+#include "common/base/unix_socket.h"
 #include "common/process/daemon.h"
 
 namespace hmoe::process {
@@ -59,19 +60,14 @@ absl::Status CheckSocketPath(std::string_view flag_name, const std::string& path
 
 absl::Status PrepareSocketPath(std::string_view flag_name, const std::string& path) {
   if (absl::Status s = CheckSocketPath(flag_name, path); !s.ok()) return s;
-  const absl::string_view flag(flag_name.data(), flag_name.size());
   const size_t slash = path.rfind('/');
   HMOE_RETURN_IF_ERROR(
       EnsurePrivateDirectory("socket directory", slash == 0 ? "/" : path.substr(0, slash)));
-  struct stat sock {};
-  if (::lstat(path.c_str(), &sock) == 0) {
-    if (!S_ISSOCK(sock.st_mode)) {
-      return FlagError(absl::InvalidArgumentError(
-          absl::StrCat(flag, ": ", path, " exists and is not a socket")));
-    }
-    ::unlink(path.c_str());  // Stale: a previous process that did not clean up.
-  }
-  return absl::OkStatus();
+  // A stale socket (a previous process that did not clean up) is removed; one a running server
+  // accepts on is refused (FailedPrecondition), so a second process cannot take the path over.
+  absl::Status claimed = ClaimUnixSocketPath(path, std::string(flag_name));
+  if (absl::IsInvalidArgument(claimed)) return FlagError(claimed);
+  return claimed;
 }
 
 }  // namespace hmoe::process

@@ -26,8 +26,9 @@ absl::Status CheckSocketPath(std::string_view flag, const std::string& path);
 
 // Makes sure the unix socket `path` (given by `flag`) can be served safely: CheckSocketPath, its
 // parent directory private (EnsurePrivateDirectory: another user could swap the socket). Removes a
-// stale socket file at `path` (InvalidArgument, a FlagError, when `path` exists and is not a
-// socket).
+// stale socket file at `path`; FailedPrecondition when a running server accepts connections on it
+// (ClaimUnixSocketPath: a second process never takes the path over); InvalidArgument, a FlagError,
+// when `path` exists and is not a socket.
 absl::Status PrepareSocketPath(std::string_view flag, const std::string& path);
 
 }  // namespace hmoe::process

@@ -8,6 +8,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -15,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 #include "common/base/errno_status.h"
 #include "common/base/logging.h"
@@ -53,6 +55,51 @@ bool PoolHasRoom(uint64_t page, uint64_t size, std::string& reason) {
 }
 
 }  // namespace
+
+absl::StatusOr<SharedMemoryRoom> ReadSharedMemoryRoom() {
+  SharedMemoryRoom room;
+  struct statvfs vfs {};
+  if (::statvfs("/dev/shm", &vfs) != 0) return ErrnoStatus(errno, "statvfs /dev/shm");
+  room.shm_free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  for (const uint64_t page : {k2MiB, k1GiB}) {
+    absl::StatusOr<HugePagePool> pool = ReadHugePagePool(page);
+    const uint64_t free =
+        pool.ok() && pool->available() > 0 ? static_cast<uint64_t>(pool->available()) * page : 0;
+    (page == k2MiB ? room.hugetlb_2m_free_bytes : room.hugetlb_1g_free_bytes) = free;
+  }
+  return room;
+}
+
+uint64_t ShmemBytesFor(const std::vector<uint64_t>& segment_bytes, HugePageMode mode) {
+  uint64_t total = 0;
+  for (const uint64_t b : segment_bytes) {
+    total += RoundUp(std::max<uint64_t>(b, 1), mode == HugePageMode::kOff ? 4096 : k2MiB);
+  }
+  return total;
+}
+
+absl::Status CheckRoomForSegments(const std::vector<uint64_t>& segment_bytes, HugePageMode mode,
+                                  const SharedMemoryRoom& room) {
+  const uint64_t need = ShmemBytesFor(segment_bytes, mode);
+  const bool hugetlb =
+      mode == HugePageMode::kAuto || mode == HugePageMode::k1G || mode == HugePageMode::k2M;
+  const uint64_t huge = hugetlb ? room.hugetlb_2m_free_bytes + room.hugetlb_1g_free_bytes : 0;
+  if (need <= room.shm_free_bytes + huge) return absl::OkStatus();
+  auto mib = [](uint64_t b) {
+    return absl::StrFormat("%.1f MiB", static_cast<double>(b) / (1 << 20));
+  };
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "not enough shared memory for the weights: the store needs ", mib(need), " (", need,
+      " bytes in ", segment_bytes.size(), " segment(s)); /dev/shm has ", mib(room.shm_free_bytes),
+      " free",
+      hugetlb ? absl::StrCat(", the hugetlb pools ", mib(room.hugetlb_2m_free_bytes),
+                             " (2 MiB pages) + ", mib(room.hugetlb_1g_free_bytes),
+                             " (1 GiB pages) free")
+              : std::string(" (hugetlb pools not used with --hugepages ") + HugePageModeName(mode) +
+                    ")",
+      ". Enlarge /dev/shm (mount -o remount,size=... /dev/shm; in a container --shm-size), reserve "
+      "hugepages (vm.nr_hugepages), or free shared memory (stale stores: hmoe-weightd-inspect)"));
+}
 
 std::string SegmentHandle::ToString() const {
   return kind == SegmentKind::kShmFile ? ShmPath(file_name) : absl::StrCat("sysv:", shm_id);

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -42,6 +43,26 @@ struct SegmentHandle {
   // "/dev/shm/<name>" or "sysv:<id>".
   std::string ToString() const;
 };
+
+// Where the segments of a store can go: the free bytes of /dev/shm and of the hugetlb pools.
+struct SharedMemoryRoom {
+  uint64_t shm_free_bytes = 0;  // statvfs(/dev/shm): f_bavail * f_frsize
+  uint64_t hugetlb_2m_free_bytes =
+      0;  // available 2 MiB pages (free - reserved) x 2 MiB; 0: no pool
+  uint64_t hugetlb_1g_free_bytes = 0;
+};
+// Reads it from the machine (a missing hugetlb pool counts as 0 bytes). Unavailable when /dev/shm
+// cannot be stat'ed.
+absl::StatusOr<SharedMemoryRoom> ReadSharedMemoryRoom();
+// Bytes the segments of `segment_bytes` take in /dev/shm when they all fall back to shmem (each
+// rounded up as DataSegment::Create rounds it under `mode`).
+uint64_t ShmemBytesFor(const std::vector<uint64_t>& segment_bytes, HugePageMode mode);
+// Whether `room` can hold segments of `segment_bytes` under `mode` (the hugetlb pools count
+// only for the modes that may use them: auto, 1g, 2m). ResourceExhausted naming the size needed,
+// the room available and what to do about it otherwise: a store that cannot fit is refused before
+// any segment is created, instead of failing part-way with a partial store.
+absl::Status CheckRoomForSegments(const std::vector<uint64_t>& segment_bytes, HugePageMode mode,
+                                  const SharedMemoryRoom& room);
 
 class DataSegment {
  public:

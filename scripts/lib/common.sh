@@ -20,3 +20,62 @@ output_matches() {
   out=$("$@" 2>/dev/null) || true
   grep -qE -- "$pattern" <<<"$out"
 }
+
+# require_client NAME HMOE: exits 2 with a message naming NAME when HMOE is not an executable.
+require_client() {
+  if [[ ! -x "$2" ]]; then
+    echo "$1: no client at $2 (run scripts/quickstart.sh or scripts/test.sh cpu, or set HMOE)" >&2
+    exit 2
+  fi
+}
+
+# ttft_ms NAME FILE: the TTFT in ms that `hmoe generate` printed to FILE; exits 1 with the output
+# when the request failed.
+ttft_ms() {
+  local t
+  t=$(grep -o 'TTFT [0-9.]* ms' "$2" | awk '{print $2}' || true)
+  if [[ -z "$t" ]]; then
+    echo "$1: request failed:" >&2
+    cat "$2" >&2
+    exit 1
+  fi
+  echo "$t"
+}
+
+# stop_supervisord CONF RUN_DIR: shuts down the supervisord of CONF (SIGTERM to every program;
+# each drains and exits) and waits for it (RUN_DIR/supervisord.pid) to exit, up to 60 s.
+stop_supervisord() {
+  local pid
+  pid=$(cat "$2/supervisord.pid" 2>/dev/null || true)
+  supervisorctl -c "$1" shutdown >/dev/null 2>&1 || true
+  for _ in $(seq 1 300); do
+    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+  done
+}
+
+# wait_for_stack HMOE ADDR CONF LOG_DIR [PROGRAMS_ERE] [NEED_ERE]: waits (up to 5 min) until
+# `hmoe status` of the router at ADDR has a line matching NEED_ERE (default 'DECODE +LIVE': a live
+# decode worker). Returns 1, printing supervisorctl status and the tails of the programs' logs,
+# on time-out or as soon as a program matching PROGRAMS_ERE (default weightd|decode|router) is
+# FATAL or in BACKOFF.
+wait_for_stack() {
+  local hmoe="$1" addr="$2" conf="$3" logs="$4" programs="${5:-weightd|decode|router}"
+  local need="${6:-DECODE +LIVE}"
+  for _ in $(seq 1 600); do
+    if output_matches "$need" "$hmoe" status --addr "$addr" --timeout-s 2; then
+      return 0
+    fi
+    if output_matches "^($programs) .*(FATAL|BACKOFF)" supervisorctl -c "$conf" status; then
+      break
+    fi
+    sleep 0.5
+  done
+  supervisorctl -c "$conf" status || true
+  local p
+  for p in ${programs//|/ }; do
+    echo "--- $logs/$p.log"
+    tail -n 20 "$logs/$p.log" 2>/dev/null || true
+  done
+  return 1
+}

@@ -479,7 +479,54 @@ TEST_F(DecodeWorkerTest, RequestTheKvPoolCannotHoldIsResourceExhausted) {
   Stream fits = w->Admit(GreedyRequest("fits", Prompt(40, 1), 24));
   EXPECT_TRUE(fits.status.ok()) << fits.status.error_message();
   EXPECT_EQ(fits.tokens.size(), 24u);
+  // Issue #16, KV exhaustion: five requests of 3 blocks each (20 + 20 tokens) at once on the
+  // 4-block pool, which holds one at a time. Each either waits for the blocks and completes or is
+  // refused RESOURCE_EXHAUSTED (never another status), and the worker is still there afterwards.
+  std::vector<Stream> streams(5);
+  {
+    std::vector<std::jthread> clients;
+    for (int i = 0; i < 5; ++i) {
+      clients.emplace_back([&, i] {
+        streams[i] = w->Admit(GreedyRequest(absl::StrCat("crowd-", i), Prompt(20, i), 20));
+      });
+    }
+  }
+  int completed = 0;
+  for (const Stream& st : streams) {
+    if (st.status.ok()) {
+      ++completed;
+      EXPECT_EQ(st.tokens.size(), 20u);
+    } else {
+      EXPECT_EQ(st.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << st.status.error_message();
+    }
+  }
+  EXPECT_GE(completed, 1);
+  EXPECT_TRUE(w->WaitKvFree());  // Every block back in the pool.
+  EXPECT_EQ(w->Admit(GreedyRequest("after", Prompt(4, 2), 2)).tokens.size(), 2u);
   EXPECT_EQ(w->Terminate(), 0);
+}
+
+// Issue #16: a second worker on the socket path of a running one refuses to start with a clear
+// error instead of unlinking the first one's socket (which gRPC would otherwise do before binding:
+// the first worker's clients would then reach the second, and the path would vanish when either
+// exits).
+TEST_F(DecodeWorkerTest, ASecondWorkerOnASocketInUseRefusesToStart) {
+  auto first = Worker::Start("sockfirst", {"--kv-blocks", "16"});
+  ASSERT_NE(first, nullptr);
+  ChildOptions o;
+  o.argv = {kWorker,     "--model", g_shared->model,       "--socket",    first->socket(),
+            "--threads", "1",       "--pin-threads=false", "--kv-blocks", "16"};
+  o.stderr_path = g_shared->dir.File("socksecond.err");
+  absl::StatusOr<ChildProcess> second = ChildProcess::Start(std::move(o));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->WaitForExit(30s).value_or(-1), 1) << second->ReadStderr();
+  EXPECT_NE(second->ReadStderr().find(first->socket() + " is in use"), std::string::npos)
+      << second->ReadStderr();
+  // The first worker still owns its socket and serves on it.
+  EXPECT_TRUE(std::filesystem::exists(first->socket()));
+  EXPECT_EQ(first->Admit(GreedyRequest("still", Prompt(4, 1), 2)).tokens.size(), 2u);
+  EXPECT_EQ(first->Terminate(), 0);
 }
 
 TEST_F(DecodeWorkerTest, ImportsAKvHandOffAndAcknowledgesIt) {

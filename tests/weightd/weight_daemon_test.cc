@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "common/model/checkpoint.h"
@@ -290,6 +291,43 @@ TEST_F(WeightDaemonTest, CancelledLoadLeavesNothingBehind) {
   EXPECT_TRUE(absl::IsCancelled(s)) << s;
   EXPECT_EQ((*d)->status().state, DaemonState::kFailed);
   EXPECT_TRUE(absl::IsNotFound(shm::ControlSegment::OpenReadOnly(instance_).status()));
+}
+
+// Files of the instance in /dev/shm (control and data segments).
+std::vector<std::string> ShmFilesOf(const std::string& instance) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with(absl::StrCat("hmoe.", instance, "."))) out.push_back(name);
+  }
+  return out;
+}
+
+// Issue #16, resource exhaustion: a /dev/shm (and hugepage pools) too small for the weights. The
+// room is injected (resizing a tmpfs needs root); what runs is the daemon's real load path with
+// the real check, before any segment exists.
+TEST_F(WeightDaemonTest, SharedMemoryTooSmallIsAClearErrorAndLeavesNoStore) {
+  DaemonOptions o = Options();
+  o.hugepages = shm::HugePageMode::kAuto;
+  o.shared_memory_room = shm::SharedMemoryRoom{
+      .shm_free_bytes = 1 << 20, .hugetlb_2m_free_bytes = 2 << 20, .hugetlb_1g_free_bytes = 0};
+  absl::StatusOr<std::unique_ptr<WeightDaemon>> d = WeightDaemon::Create(o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const absl::Status s = (*d)->LoadOrAdopt();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  // The test checkpoint's segments round up to at least 2 x 2 MiB; 1 MiB of /dev/shm + 2 MiB of
+  // hugepages are named as what there is.
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("the store needs "));
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("/dev/shm has 1.0 MiB free"));
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("2.0 MiB (2 MiB pages)"));
+  EXPECT_EQ((*d)->status().state, DaemonState::kFailed);
+  EXPECT_TRUE(absl::IsNotFound(shm::ControlSegment::OpenReadOnly(instance_).status()));
+  EXPECT_THAT(ShmFilesOf(instance_), ::testing::IsEmpty());
+
+  // Enough room: the same daemon options load.
+  d->reset();  // Releases the instance lock.
+  o.shared_memory_room->shm_free_bytes = uint64_t{1} << 40;
+  EXPECT_NE(StartDaemon(o), nullptr);
 }
 
 // Bad input: each a clear error naming the problem, and nothing left in shared memory.

@@ -3,6 +3,7 @@
 // NUMA slices, proportional memory (PSS) and bad input. Binaries come from $<TARGET_FILE:...>.
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -387,6 +389,34 @@ TEST_F(WeightdBadInputTest, ConfigMismatch) {
   const Outcome o = Run();
   EXPECT_EQ(o.code, 1);
   EXPECT_NE(o.log.find("does not match its config.json"), std::string::npos) << o.log;
+}
+
+// Issue #16, resource exhaustion: the kernel refuses a data segment its size part-way through
+// creating the store (here RLIMIT_FSIZE, which the control segment fits under and a data segment
+// does not: ftruncate fails with EFBIG, as it fails with ENOSPC on a full /dev/shm). weightd must
+// exit with an error naming the segment, not die of SIGXFSZ, and remove what it had created. A
+// full /dev/shm itself cannot be made here without root; the room check that refuses such a store
+// up front is WeightDaemonTest.SharedMemoryTooSmallIsAClearErrorAndLeavesNoStore.
+TEST_F(WeightdBadInputTest, ASegmentTheKernelRefusesFailsCleanlyWithNoPartialStore) {
+  rlimit old_limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = 1 << 20;  // The control segment is well under 1 MiB, a data segment is not.
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);  // Inherited by the child...
+  absl::StatusOr<ChildProcess> p = ChildProcess::Start(
+      Options({kWeightd, "--model", model_, "--instance", instance_, "--hugepages", "off"}, "fsz"));
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old_limit), 0);  // ...not kept by this process.
+  ASSERT_TRUE(p.ok()) << p.status();
+  const absl::StatusOr<int> code = p->WaitForExit(20s);
+  ASSERT_TRUE(code.ok()) << code.status() << p->ReadStderr();  // Exited, not killed by a signal.
+  EXPECT_EQ(*code, 1) << p->ReadStderr();
+  EXPECT_THAT(p->ReadStderr(),
+              ::testing::ContainsRegex("create data segment [0-9]+ .*File too large"));
+  EXPECT_TRUE(absl::IsNotFound(shm::ControlSegment::OpenReadOnly(instance_).status()));
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    EXPECT_FALSE(e.path().filename().string().starts_with(absl::StrCat("hmoe.", instance_, ".")))
+        << "left behind: " << e.path();
+  }
 }
 
 TEST_F(WeightdBadInputTest, BadFlags) {
