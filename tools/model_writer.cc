@@ -568,6 +568,16 @@ absl::Status WriteModel(const ModelPreset& preset, const std::string& out_dir,
   HMOE_RETURN_IF_ERROR(config.Validate());
   const int32_t tokenizer_size =
       static_cast<int32_t>(std::min<int64_t>(preset.tokenizer_vocab_size, config.vocab_size));
+  if (options.tokenizer_style == TokenizerStyle::kKimi) {
+    // Kimi-K2's config.json names [BOS] and [EOS], the first two ids after the ranks.
+    if (tokenizer_size < kMinKimiVocabSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a Kimi-style tokenizer needs a vocabulary of ", kMinKimiVocabSize, ", not ",
+                       tokenizer_size));
+    }
+    config.bos_token_id = tokenizer_size - kKimiReservedSpecials;
+    config.eos_token_ids = {config.bos_token_id + 1};
+  }
   HMOE_RETURN_IF_ERROR(PrepareDirectory(out_dir, options.force));
 
   // Plan: tensors in ExpectedTensors order, packed greedily into shards of <= shard_size bytes.

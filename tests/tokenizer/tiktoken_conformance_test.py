@@ -257,6 +257,14 @@ def main():
     if os.path.exists(os.path.join(model, "tokenizer.json")):
         print("FAILED: hmoe-make-model --tokenizer kimi wrote a tokenizer.json")
         return 1
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    enc = kimi_encoding(tiktoken, model)
+    want_ids = (enc.encode_single_token("[BOS]"), enc.encode_single_token("[EOS]"))
+    if (config["bos_token_id"], config["eos_token_id"]) != want_ids:
+        print("FAILED: config.json bos/eos %s, the tokenizer's [BOS]/[EOS] are %s" %
+              ((config["bos_token_id"], config["eos_token_id"]), want_ids))
+        return 1
     texts = SENTENCES + random_texts(args.random, args.seed)
     pairs = os.path.join(args.work_dir, "kimi-pairs")
     write_pair_vocab(model, pairs, texts, args.seed)

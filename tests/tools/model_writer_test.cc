@@ -463,6 +463,30 @@ TEST_F(ModelWriterTest, RefusesNonEmptyDirectoryUnlessForced) {
   EXPECT_TRUE(Checkpoint::Open(dir).ok());
 }
 
+TEST_F(ModelWriterTest, KimiTokenizerStyleWritesTiktokenModelAndMatchingConfigIds) {
+  WriteOptions kimi;
+  kimi.tokenizer_style = TokenizerStyle::kKimi;
+  const std::string dir = Write(ReducedTiny(), "kimi", kimi);
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "tokenizer.json"));
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "tiktoken.model"));
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::Load(dir);
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  EXPECT_EQ((*tokenizer)->vocab_size(), 512);
+  EXPECT_EQ((*ckpt)->config().bos_token_id, (*tokenizer)->bos_id());
+  ASSERT_EQ((*ckpt)->config().eos_token_ids.size(), 1u);
+  EXPECT_EQ((*ckpt)->config().eos_token_ids[0], (*tokenizer)->eos_id());
+  EXPECT_EQ((*tokenizer)->IdToToken((*tokenizer)->eos_id()), "[EOS]");
+
+  // Rewriting in the DeepSeek form (--force) replaces tiktoken.model by tokenizer.json.
+  WriteOptions force;
+  force.force = true;
+  ASSERT_TRUE(WriteModel(ReducedTiny(), dir, force).ok());
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "tiktoken.model"));
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "tokenizer.json"));
+}
+
 TEST_F(ModelWriterTest, ShardSizeOptionChangesSharding) {
   WriteOptions big;
   big.shard_size_bytes = int64_t{64} << 20;
