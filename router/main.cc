@@ -29,6 +29,7 @@
 #include "router/clock.h"
 #include "router/decode_client.h"
 #include "router/health_service.h"
+#include "router/http_api.h"
 #include "router/parse_error_interceptor.h"
 #include "router/prefill_client.h"
 #include "router/registry_service.h"
@@ -250,6 +251,13 @@ int main(int argc, char** argv) {
       std::fclose(f);
     }
   }
+  // The OpenAI HTTP API (--http-listen; router/http_api.h), on the same Router.
+  absl::StatusOr<std::unique_ptr<hmoe::router::HttpApi>> http =
+      hmoe::router::StartHttpApiFromFlags(&router, &registry, tokenizer.get(), options, model_dir);
+  if (!http.ok()) {
+    HMOE_LOG(ERROR) << http.status().message();
+    return 1;
+  }
   HMOE_LOG(INFO) << "SERVING on port " << port << " (vocab " << options.limits.vocab_size
                  << ", context " << options.limits.context_length
                  << (tokenizer != nullptr ? ", tokenizer" : ", no tokenizer") << ")";
@@ -260,6 +268,7 @@ int main(int argc, char** argv) {
   router.StartDraining();  // health: NOT_SERVING from now on
   const absl::Time drain_end = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_drain_seconds));
   while (router.inflight() > 0 && absl::Now() < drain_end) absl::SleepFor(absl::Milliseconds(20));
+  http->reset();  // ends the HTTP streams still open
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   if (registry_server != nullptr) registry_server->Shutdown();
   if (!registry_socket.empty()) unlink(registry_socket.c_str());
