@@ -309,6 +309,38 @@ TEST_F(RouterHttpTest, HealthModelsChatAndCompletions) {
   EXPECT_EQ(c.ReadResponse().status, 200);
 }
 
+// A template whose generation prompt opens <think>: the echoed prompt is "thought" up to the
+// </think> the user wrote, and the answer after it (whitespace after the tag dropped).
+TEST_F(RouterHttpTest, ThinkingTemplateSplitsReasoningContent) {
+  const std::string file = dir_ + "/thinking.jinja";
+  std::ofstream(file) << "{{ bos_token }}{% for m in messages %}<｜User｜>{{ m['content'] }}"
+                         "{% endfor %}<｜Assistant｜><think>\n";
+  const int port = StartRouter({"--chat_template=" + file});
+  ASSERT_GT(port, 0);
+  RegisterWorker();
+  json body = {{"messages", {{{"role", "user"}, {"content", "plan</think> \n answer"}}}},
+               {"max_tokens", 100}};
+  HttpResponse r = HttpCall(port, "POST", "/v1/chat/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json message = Parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning_content"], "<｜begin▁of▁sentence｜><｜User｜>plan");
+  // (Jinja drops the template's single trailing newline.)
+  EXPECT_EQ(message["content"], "answer<｜Assistant｜><think>");
+
+  body["stream"] = true;
+  r = HttpCall(port, "POST", "/v1/chat/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  std::string reasoning, content;
+  for (const std::string& e : SseData(r.body)) {
+    if (e == "[DONE]") continue;
+    const json delta = Parse(e)["choices"][0]["delta"];
+    if (delta.contains("reasoning_content")) reasoning += delta["reasoning_content"];
+    if (delta.contains("content")) content += delta["content"];
+  }
+  EXPECT_EQ(reasoning, message["reasoning_content"]);
+  EXPECT_EQ(content, message["content"]);
+}
+
 TEST_F(RouterHttpTest, BadInputGetsOpenAiErrorsAndTheServerServesOn) {
   const int port = StartRouter();
   ASSERT_GT(port, 0);
