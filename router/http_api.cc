@@ -33,11 +33,9 @@ HttpApi::~HttpApi() {
   server_->Stop();
 }
 
-absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(Router* router,
-                                                               const WorkerRegistry* registry,
-                                                               const Tokenizer* tokenizer,
-                                                               const RouterOptions& options,
-                                                               const std::string& model_dir) {
+absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(
+    Router* router, const WorkerRegistry* registry, const Tokenizer* tokenizer,
+    const RouterOptions& options, const std::string& model_dir, RouterMetrics* metrics) {
   const std::string listen = absl::GetFlag(FLAGS_http_listen);
   if (listen.empty()) return nullptr;
 
@@ -83,7 +81,7 @@ absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(Router* router,
   }
 
   auto api = std::make_unique<OpenAiApi>(std::move(o), router, registry, tokenizer,
-                                         std::move(chat_template));
+                                         std::move(chat_template), metrics);
   http::ServerOptions so;
   // The same request limit as gRPC's (--max-request-bytes).
   so.max_body_bytes = static_cast<size_t>(std::max(1, options.max_request_bytes));

@@ -36,11 +36,10 @@ class HttpApi {
 
 // Starts the HTTP API when --http-listen is set (nullptr when it is empty). `model_dir` is the
 // checkpoint (--model; may be empty): the chat template and the model name come from it.
+// `metrics` (may be null) is served on GET /metrics and records the HTTP requests.
 // An error when the address is in use or malformed, or --chat-template cannot be loaded.
-absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(Router* router,
-                                                               const WorkerRegistry* registry,
-                                                               const Tokenizer* tokenizer,
-                                                               const RouterOptions& options,
-                                                               const std::string& model_dir);
+absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(
+    Router* router, const WorkerRegistry* registry, const Tokenizer* tokenizer,
+    const RouterOptions& options, const std::string& model_dir, RouterMetrics* metrics);
 
 }  // namespace hmoe::router

@@ -201,7 +201,8 @@ int main(int argc, char** argv) {
       hmoe::router::NewGrpcPrefillClientFactory();
   Router router(options, &registry, decode_clients.get(), prefill_clients.get(), tokenizer.get(),
                 &clock);
-  hmoe::router::RouterService router_service(&router);
+  hmoe::router::RouterMetrics metrics;  // GET /metrics on the HTTP API (router/metrics.h)
+  hmoe::router::RouterService router_service(&router, &metrics);
   hmoe::router::RegistryService registry_service(&registry);
 
   // Health answers from the registry on every call (router/health_service.h), not from a flag.
@@ -252,8 +253,8 @@ int main(int argc, char** argv) {
     }
   }
   // The OpenAI HTTP API (--http-listen; router/http_api.h), on the same Router.
-  absl::StatusOr<std::unique_ptr<hmoe::router::HttpApi>> http =
-      hmoe::router::StartHttpApiFromFlags(&router, &registry, tokenizer.get(), options, model_dir);
+  absl::StatusOr<std::unique_ptr<hmoe::router::HttpApi>> http = hmoe::router::StartHttpApiFromFlags(
+      &router, &registry, tokenizer.get(), options, model_dir, &metrics);
   if (!http.ok()) {
     HMOE_LOG(ERROR) << http.status().message();
     return 1;

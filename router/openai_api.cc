@@ -402,12 +402,14 @@ class HttpSink : public GenerateSink {
 }  // namespace
 
 OpenAiApi::OpenAiApi(OpenAiOptions options, Router* router, const WorkerRegistry* registry,
-                     const Tokenizer* tokenizer, std::optional<chat::ChatTemplate> chat_template)
+                     const Tokenizer* tokenizer, std::optional<chat::ChatTemplate> chat_template,
+                     RouterMetrics* metrics)
     : options_(std::move(options)),
       router_(router),
       registry_(registry),
       tokenizer_(tokenizer),
-      chat_template_(std::move(chat_template)) {}
+      chat_template_(std::move(chat_template)),
+      metrics_(metrics) {}
 
 OpenAiApi::~OpenAiApi() { Join(); }
 
@@ -430,7 +432,8 @@ void OpenAiApi::Handle(http::Request request, std::shared_ptr<http::Responder> r
   static constexpr Route kRoutes[] = {{"/v1/chat/completions", "POST"},
                                       {"/v1/completions", "POST"},
                                       {"/v1/models", "GET"},
-                                      {"/health", "GET"}};
+                                      {"/health", "GET"},
+                                      {"/metrics", "GET"}};
   for (const Route& r : kRoutes) {
     if (request.path != r.path) continue;
     if (request.method != r.method) {
@@ -439,11 +442,16 @@ void OpenAiApi::Handle(http::Request request, std::shared_ptr<http::Responder> r
     }
     if (r.path == "/v1/models") return Models(responder);
     if (r.path == "/health") return Health(responder);
+    if (r.path == "/metrics") {
+      if (metrics_ == nullptr) return error(404, "this server keeps no metrics");
+      return responder->Send(200, "text/plain; version=0.0.4; charset=utf-8",
+                             metrics_->Scrape(*router_));
+    }
     return Completions(request, std::move(responder), r.path == "/v1/chat/completions");
   }
   error(404, absl::StrCat("no such endpoint: ", request.method, " ", request.path,
                           " (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-                          "GET /health)"));
+                          "GET /health, GET /metrics)"));
 }
 
 void OpenAiApi::Health(const std::shared_ptr<http::Responder>& responder) const {
@@ -523,7 +531,10 @@ void OpenAiApi::Completions(const http::Request& request,
 
 void OpenAiApi::RunGeneration(Translated translated, std::shared_ptr<http::Responder> responder) {
   HttpSink sink(translated, responder, absl::ToUnixSeconds(absl::Now()));
-  const absl::Status status = router_->Generate(translated.request, absl::InfiniteFuture(), &sink);
+  const absl::Status status =
+      metrics_ != nullptr
+          ? metrics_->Generate(router_, translated.request, absl::InfiniteFuture(), &sink)
+          : router_->Generate(translated.request, absl::InfiniteFuture(), &sink);
   sink.Finish(status);
 }
 

@@ -5,7 +5,8 @@
 //   POST /v1/completions       a text prompt (or token ids),
 //        both with "stream": server-sent events in OpenAI's chunk schema, then "data: [DONE]";
 //   GET  /v1/models            the one model served;
-//   GET  /health               200 while a request can be served, 503 with the reason otherwise.
+//   GET  /health               200 while a request can be served, 503 with the reason otherwise;
+//   GET  /metrics              Prometheus text (router/metrics.h).
 // A request is translated into the same hmoe.v1.GenerateRequest the gRPC API takes and served by
 // the same Router::Generate (validation, policy, retries, cancellation, timing); only the JSON
 // mapping lives here. Errors are OpenAI error objects {"error": {"message", "type", "param",
@@ -27,6 +28,7 @@
 
 #include "common/chat/chat_template.h"
 #include "common/http/server.h"
+#include "router/metrics.h"
 #include "router/router.h"
 #include "router/worker_registry.h"
 
@@ -87,10 +89,12 @@ bool PromptOpensThought(absl::string_view prompt);
 
 class OpenAiApi {
  public:
-  // `router`, `registry` and `tokenizer` (may be null: token-id completions only) must outlive
-  // this; `chat_template` may be empty (then /v1/chat/completions answers 400 saying so).
+  // `router`, `registry`, `tokenizer` (may be null: token-id completions only) and `metrics` (may
+  // be null: no /metrics) must outlive this; `chat_template` may be empty (then
+  // /v1/chat/completions answers 400 saying so).
   OpenAiApi(OpenAiOptions options, Router* router, const WorkerRegistry* registry,
-            const Tokenizer* tokenizer, std::optional<chat::ChatTemplate> chat_template);
+            const Tokenizer* tokenizer, std::optional<chat::ChatTemplate> chat_template,
+            RouterMetrics* metrics = nullptr);
   ~OpenAiApi();  // Join()
   OpenAiApi(const OpenAiApi&) = delete;
   OpenAiApi& operator=(const OpenAiApi&) = delete;
@@ -129,6 +133,7 @@ class OpenAiApi {
   const WorkerRegistry* const registry_;
   const Tokenizer* const tokenizer_;
   const std::optional<chat::ChatTemplate> chat_template_;
+  RouterMetrics* const metrics_;
 
   struct Worker {
     std::thread thread;

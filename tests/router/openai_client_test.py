@@ -12,7 +12,9 @@ with --http-listen) and checks, through openai.OpenAI:
   5. a thinking template (--chat-template, the generation prompt opens <think>): the answer comes
      as reasoning_content (the random-weight model never closes the thought), streamed as
      reasoning_content deltas; it equals the gRPC text for that prompt too;
-  6. errors surface as the client's exception classes (BadRequestError, NotFoundError).
+  6. errors surface as the client's exception classes (BadRequestError, NotFoundError);
+  7. /metrics, scraped while 8 streams run and after, parses with prometheus-client's text parser
+     and shows non-zero histograms (TTFT, TPOT, end-to-end, queue) and counters.
 
 The client comes from a venv in the build tree (pinned: openai_client_requirements.txt), created on
 demand. When pip cannot install it the test is skipped (exit 77) with the reason, except under CI
@@ -143,6 +145,53 @@ class Stack:
                 p.kill()
 
 
+def check_metrics(stack, client, kw, check):
+    """Scrapes /metrics during a load of 8 concurrent streams and after; both must parse."""
+    import threading
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = "http://127.0.0.1:%d/metrics" % stack.http_port
+    errors = []
+
+    def stream():
+        try:
+            for _ in client.chat.completions.create(stream=True, **dict(kw, max_tokens=24)):
+                pass
+        except Exception as e:  # reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=stream) for _ in range(8)]
+    for t in threads:
+        t.start()
+    during = urllib.request.urlopen(url).read().decode()
+    for t in threads:
+        t.join()
+    after = urllib.request.urlopen(url).read().decode()
+    check(not errors, "metrics load: 8 concurrent streams completed %s" % errors)
+    parsed = {}
+    try:
+        list(text_string_to_metric_families(during))
+        for family in text_string_to_metric_families(after):
+            for s in family.samples:
+                parsed[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        check(True, "/metrics parses with prometheus-client (during and after the load)")
+    except Exception as e:
+        check(False, "/metrics parses with prometheus-client: %r" % e)
+        return
+    for h in ["hmoe_time_to_first_token_seconds", "hmoe_time_per_output_token_seconds",
+              "hmoe_request_duration_seconds", "hmoe_queue_time_seconds"]:
+        count = parsed.get((h + "_count", ()), 0)
+        inf = parsed.get((h + "_bucket", (("le", "+Inf"),)), 0)
+        check(count >= 8 and inf == count and parsed.get((h + "_sum", ()), 0) > 0,
+              "%s: count %s, +Inf bucket %s, sum > 0" % (h, count, inf))
+    ok = parsed.get(("hmoe_requests_total", (("outcome", "ok"), ("path", "chunked"))), 0)
+    check(ok >= 8, "hmoe_requests_total{outcome=ok,path=chunked} = %s >= 8" % ok)
+    check(parsed.get(("hmoe_generation_tokens_total", ()), 0) >= 8 * 24,
+          "hmoe_generation_tokens_total counts the streams' tokens")
+    check(parsed.get(("hmoe_worker_up", (("kind", "decode"), ("worker", "decode-0"))), 0) == 1,
+          "hmoe_worker_up{worker=decode-0} = 1")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bin-dir", required=True, help="the build tree")
@@ -237,6 +286,8 @@ def main():
                     model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0,
                     stream=True, extra_body={"ignore_eos": True}) if c.choices)
                 check(streamed == comp.choices[0].text, "completions stream equals non-stream")
+
+                check_metrics(stack, client, kw, check)
 
                 try:
                     client.chat.completions.create(model="tiny", messages=messages, n=2)

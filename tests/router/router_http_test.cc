@@ -301,6 +301,16 @@ TEST_F(RouterHttpTest, HealthModelsChatAndCompletions) {
   EXPECT_EQ(events.back(), "[DONE]");
   EXPECT_EQ(Parse(events[events.size() - 2])["choices"][0]["finish_reason"], "length");
 
+  // Prometheus metrics: both requests above counted, their TTFT observed.
+  r = HttpCall(port, "GET", "/metrics");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_TRUE(absl::StartsWith(r.Header("content-type"), "text/plain; version=0.0.4"));
+  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_requests_total{outcome=\"ok\",path=\"chunked\"} 5"))
+      << r.body;
+  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_time_to_first_token_seconds_count 5")) << r.body;
+  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_worker_up{kind=\"decode\",worker=\"fake-decode\"} 1"))
+      << r.body;
+
   // Keep-alive: two requests on one connection.
   HttpConnection c(port);
   ASSERT_TRUE(c.SendRequest("GET", "/v1/models", ""));
