@@ -13,6 +13,9 @@ with --http-listen) and checks, through openai.OpenAI:
      as reasoning_content (the random-weight model never closes the thought), streamed as
      reasoning_content deltas; it equals the gRPC text for that prompt too;
   6. errors surface as the client's exception classes (BadRequestError, NotFoundError);
+  8. a stream dropped after 2 tokens of 900 ends cancelled and frees its decode slot and KV
+     blocks on the real decode worker (its heartbeat gauges in /metrics go back to 0 running, 0
+     KV blocks used) and the router's in-flight count goes back to 0;
   7. /metrics, scraped while 8 streams run and after, parses with prometheus-client's text parser
      and shows non-zero histograms (TTFT, TPOT, end-to-end, queue) and counters.
 
@@ -192,6 +195,48 @@ def check_metrics(stack, client, kw, check):
           "hmoe_worker_up{worker=decode-0} = 1")
 
 
+def scrape(stack):
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % stack.http_port).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def check_disconnect(stack, check):
+    """Drops a long stream after 2 content chunks; the worker's slot and KV blocks come back."""
+    worker = (("kind", "decode"), ("worker", "decode-0"))
+    body = json.dumps({"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 900,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", stack.http_port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    data = b""
+    while data.count(b"data: {") < 2:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    check(data.count(b"data: {") >= 2, "disconnect: 2 tokens streamed before the drop")
+    sock.close()
+    freed = False
+    for _ in range(200):
+        m = scrape(stack)
+        if (m.get(("hmoe_worker_running_requests", worker), -1) == 0 and
+                m.get(("hmoe_worker_kv_blocks_used", worker), -1) == 0 and
+                m.get(("hmoe_requests_inflight", ()), -1) == 0):
+            freed = True
+            break
+        time.sleep(0.05)
+    check(freed, "disconnect: slot and KV blocks freed, router in-flight 0")
+    # Cancelled, not finished: the drop cut the 900-token generation short.
+    cancelled = sum(v for (name, labels), v in m.items()
+                    if name == "hmoe_requests_total" and ("outcome", "cancelled") in labels)
+    check(cancelled == 1, "disconnect: the request ended cancelled (%s)" % cancelled)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--bin-dir", required=True, help="the build tree")
@@ -288,6 +333,7 @@ def main():
                 check(streamed == comp.choices[0].text, "completions stream equals non-stream")
 
                 check_metrics(stack, client, kw, check)
+                check_disconnect(stack, check)
 
                 try:
                     client.chat.completions.create(model="tiny", messages=messages, n=2)
