@@ -93,7 +93,8 @@ struct Server::Impl {
   // (closed) socket against a live io_context.
   std::shared_ptr<asio::io_context> io = std::make_shared<asio::io_context>();
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
-  tcp::acceptor acceptor{*io};
+  // On a strand of its own: accept completions and StopAccepting's close never run concurrently.
+  tcp::acceptor acceptor{asio::make_strand(*io)};
   std::shared_ptr<Shared> shared = std::make_shared<Shared>();
   std::vector<std::thread> threads;
   absl::Mutex mu;
@@ -484,7 +485,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host_po
 void Server::StopAccepting() {
   if (impl_->accepting_stopped) return;
   impl_->accepting_stopped = true;
-  asio::post(*impl_->io, [impl = impl_.get()] {
+  asio::post(impl_->acceptor.get_executor(), [impl = impl_.get()] {
     beast::error_code ignored;
     impl->acceptor.close(ignored);
   });
