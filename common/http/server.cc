@@ -168,6 +168,35 @@ class Connection : public std::enable_shared_from_this<Connection> {
       self->timed_out_ = true;
       self->socket_.cancel();
     });
+    // The header first: a client that sent "Expect: 100-continue" (curl does for bodies over
+    // 1 MB) waits for "100 Continue" before it sends the body.
+    bhttp::async_read_header(
+        socket_, buffer_, *parser_,
+        asio::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t) {
+          if (ec || self->closed_ || self->parser_->is_done()) {
+            self->OnRead(ec);
+            return;
+          }
+          const auto& header = self->parser_->get();
+          if (header.version() == 11 &&
+              beast::iequals(header[bhttp::field::expect], "100-continue")) {
+            self->continue_ = "HTTP/1.1 100 Continue\r\n\r\n";
+            asio::async_write(
+                self->socket_, asio::buffer(self->continue_),
+                asio::bind_executor(self->strand_, [self](beast::error_code wec, size_t) {
+                  if (wec) {
+                    self->OnRead(wec);
+                  } else {
+                    self->ReadBody();
+                  }
+                }));
+            return;
+          }
+          self->ReadBody();
+        }));
+  }
+
+  void ReadBody() {
     bhttp::async_read(
         socket_, buffer_, *parser_,
         asio::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t) {
@@ -280,12 +309,37 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void AfterWrites() {
     if (!keep_alive_) {
-      beast::error_code ignored;
-      socket_.shutdown(tcp::socket::shutdown_send, ignored);
-      CloseNow();
+      LingerAndClose();
       return;
     }
     ReadRequest();
+  }
+
+  // Closing a socket with unread input sends a reset, which can destroy the response before the
+  // client reads it (e.g. a 413 while the client still sends its body). So: end our side, read
+  // and drop what the client still sends until it closes, for at most 2 s, then close.
+  void LingerAndClose() {
+    beast::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    timer_.expires_after(std::chrono::seconds(2));
+    timer_.async_wait([self = shared_from_this()](beast::error_code ec) {
+      if (!ec) self->CloseNow();
+    });
+    Drain();
+  }
+
+  void Drain() {
+    drain_.resize(64 << 10);
+    socket_.async_read_some(
+        asio::buffer(drain_),
+        asio::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t) {
+          if (self->closed_) return;
+          if (ec) {
+            self->CloseNow();
+          } else {
+            self->Drain();
+          }
+        }));
   }
 
   void ErrorAndClose(int status, absl::string_view message) {
@@ -319,6 +373,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::deque<std::string> out_;
+  std::string continue_;
+  std::string drain_;
   bool writing_ = false;
   bool closed_ = false;
   bool timed_out_ = false;

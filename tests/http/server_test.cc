@@ -77,6 +77,21 @@ TEST_F(ServerTest, CompleteAndStreamedResponsesKeepAliveAndPipelining) {
   EXPECT_EQ(c.ReadResponse().body, "GET /b ");
 }
 
+TEST_F(ServerTest, ExpectContinueGetsOneHundredContinueBeforeTheBody) {
+  Start();
+  HttpConnection c(server_->port());
+  ASSERT_TRUE(
+      c.Send("POST /e HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+             "Content-Length: 5\r\n\r\n"));
+  HttpResponse interim;
+  ASSERT_TRUE(c.ReadHead(&interim));
+  EXPECT_EQ(interim.status, 100);
+  ASSERT_TRUE(c.Send("hello"));
+  HttpResponse r = c.ReadResponse();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.body, "POST /e hello");
+}
+
 TEST_F(ServerTest, ProtocolErrorsAreAnsweredAndClosed) {
   ServerOptions o;
   o.max_body_bytes = 100;
