@@ -82,6 +82,8 @@ std::string Head(int status, absl::string_view content_type, absl::string_view f
 struct Shared {
   absl::Mutex mu;
   bool stopped ABSL_GUARDED_BY(mu) = false;
+  // Open connections (a connection kept by a responder may end after the server).
+  std::atomic<int> open_connections{0};
 };
 
 class Connection;
@@ -99,7 +101,6 @@ struct Server::Impl {
   std::vector<std::thread> threads;
   absl::Mutex mu;
   std::vector<std::weak_ptr<Connection>> connections ABSL_GUARDED_BY(mu);
-  std::atomic<int> open_connections{0};
   int port = 0;
   bool accepting_stopped = false;
   bool stopped = false;
@@ -116,9 +117,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
         strand_(socket.get_executor()),
         socket_(std::move(socket)),
         timer_(strand_) {
-    ++server_->open_connections;
+    ++shared_->open_connections;
   }
-  ~Connection() { --server_->open_connections; }
+  ~Connection() { --shared_->open_connections; }
 
   void Start() {
     asio::dispatch(strand_, [self = shared_from_this()] { self->ReadRequest(); });
@@ -453,7 +454,7 @@ void Server::Impl::Accept() {
       Accept();
       return;
     }
-    if (open_connections.load() >= options.max_connections) {
+    if (shared->open_connections.load() >= options.max_connections) {
       // Over the limit: a short answer written at once, then closed.
       std::string body = options.error_body(
           503, absl::StrCat("too many connections (limit ", options.max_connections, ")"));
@@ -472,7 +473,7 @@ void Server::Impl::Accept() {
         absl::MutexLock lock(&mu);
         // Drop the entries of closed connections now and then.
         if (connections.size() > 64 &&
-            connections.size() > 2 * static_cast<size_t>(open_connections.load())) {
+            connections.size() > 2 * static_cast<size_t>(shared->open_connections.load())) {
           std::erase_if(connections, [](const auto& w) { return w.expired(); });
         }
         connections.push_back(connection);
