@@ -67,6 +67,7 @@ absl::Status ReadFlags(RouterFlags& f) {
   RouterOptions& options = f.options;
   std::unique_ptr<Tokenizer>& tokenizer = f.tokenizer;
   const std::string model_dir = absl::GetFlag(FLAGS_model);
+  f.model_dir = model_dir;
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   options.limits.context_length = absl::GetFlag(FLAGS_context_length);
   if (!model_dir.empty()) {

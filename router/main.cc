@@ -25,6 +25,7 @@
 #include "router/decode_client.h"
 #include "router/flags.h"
 #include "router/health_service.h"
+#include "router/http_api.h"
 #include "router/parse_error_interceptor.h"
 #include "router/prefill_client.h"
 #include "router/registry_service.h"
@@ -50,7 +51,8 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   std::unique_ptr<PrefillClientFactory> prefill_clients = NewGrpcPrefillClientFactory();
   Router router(options, &registry, decode_clients.get(), prefill_clients.get(), tokenizer.get(),
                 &clock);
-  RouterService router_service(&router);
+  RouterMetrics metrics;  // GET /metrics on the HTTP API (router/metrics.h)
+  RouterService router_service(&router, &metrics);
   RegistryService registry_service(&registry);
   // Health answers from the registry on every call (router/health_service.h), not from a flag.
   HealthService health([&router] { return router.Serving(); });
@@ -98,6 +100,10 @@ absl::Status Run(process::StopSignalWatcher& signals) {
       std::fclose(f);
     }
   }
+  // The OpenAI HTTP API (--http-listen; router/http_api.h), on the same Router.
+  HMOE_ASSIGN_OR_RETURN(
+      std::unique_ptr<HttpApi> http,
+      StartHttpApiFromFlags(&router, &registry, tokenizer.get(), options, flags.model_dir, &metrics));
   HMOE_LOG(INFO) << "SERVING on port " << port << " (vocab " << options.limits.vocab_size
                  << ", context " << options.limits.context_length
                  << (tokenizer != nullptr ? ", tokenizer" : ", no tokenizer") << ")";
@@ -107,6 +113,7 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   router.StartDraining();  // health: NOT_SERVING from now on
   process::WaitUntil(absl::Now() + absl::Seconds(flags.drain_seconds),
                      [&router] { return router.inflight() == 0; });
+  http.reset();  // ends the HTTP streams still open
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
   if (registry_server != nullptr) registry_server->Shutdown();
   if (!registry_socket.empty()) ::unlink(registry_socket.c_str());

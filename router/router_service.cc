@@ -31,7 +31,9 @@ grpc::Status RouterService::Generate(grpc::ServerContext* context,
   const absl::Time deadline = raw_deadline == std::chrono::system_clock::time_point::max()
                                   ? absl::InfiniteFuture()
                                   : absl::FromChrono(raw_deadline);
-  return rpc::ToGrpcStatus(router_->Generate(*request, deadline, &sink));
+  return rpc::ToGrpcStatus(metrics_ != nullptr
+                               ? metrics_->Generate(router_, *request, deadline, &sink)
+                               : router_->Generate(*request, deadline, &sink));
 }
 
 grpc::Status RouterService::Cancel(grpc::ServerContext*, const hmoe::v1::CancelRequest* request,

@@ -6,14 +6,16 @@
 #include <grpcpp/grpcpp.h>
 
 #include "proto/hmoe_v1.grpc.pb.h"
+#include "router/metrics.h"
 #include "router/router.h"
 
 namespace hmoe::router {
 
 class RouterService final : public hmoe::v1::Hmoe::Service {
  public:
-  // `router` must outlive the service.
-  explicit RouterService(Router* router) : router_(router) {}
+  // `router` and `metrics` (may be null: none recorded) must outlive the service.
+  explicit RouterService(Router* router, RouterMetrics* metrics = nullptr)
+      : router_(router), metrics_(metrics) {}
 
   grpc::Status Generate(grpc::ServerContext* context, const hmoe::v1::GenerateRequest* request,
                         grpc::ServerWriter<hmoe::v1::GenerateResponse>* writer) override;
@@ -27,6 +29,7 @@ class RouterService final : public hmoe::v1::Hmoe::Service {
 
  private:
   Router* const router_;
+  RouterMetrics* const metrics_;
 };
 
 }  // namespace hmoe::router

@@ -3,14 +3,16 @@
 # `small` demo checkpoint, starts the whole service under supervisord (hmoe-weightd, the prefill
 # worker(s) when hmoe-prefill-worker is built, hmoe-decode-worker, hmoe-router; the CPU backend when
 # the machine has no GPU), waits until it serves, sends a generation through the router's public
-# gRPC API with the bundled client (`hmoe generate`), prints the streamed text with TTFT/TPOT, and
-# stops everything again.
+# gRPC API with the bundled client (`hmoe generate`), prints the streamed text with TTFT/TPOT, then
+# one streamed chat completion through the OpenAI-compatible HTTP API (curl -N), and stops
+# everything again.
 #
 # Environment:
 #   HMOE_BUILD_ROOT      build trees (default <repo>/build; this script uses <root>/quickstart)
 #   HMOE_MODEL_DIR       the demo checkpoint (default <repo>/out/small; written when missing)
 #   HMOE_DEPLOY_DIR      supervisord.conf, logs (default <repo>/out/quickstart)
 #   HMOE_PORT            the router's port on 127.0.0.1 (default 50051)
+#   HMOE_HTTP_PORT       the router's OpenAI HTTP port on 127.0.0.1 (default 8000)
 #   HMOE_PROMPT          the prompt (default "The quick brown fox")
 #   HMOE_MAX_NEW_TOKENS  tokens to generate (default 32)
 #   HMOE_KEEP_RUNNING=1  leave the service running (the script prints how to stop it)
@@ -21,6 +23,7 @@ BUILD="${HMOE_BUILD_ROOT:-$ROOT/build}/quickstart"
 MODEL="${HMOE_MODEL_DIR:-$ROOT/out/small}"
 DEPLOY="${HMOE_DEPLOY_DIR:-$ROOT/out/quickstart}"
 PORT="${HMOE_PORT:-50051}"
+HTTP_PORT="${HMOE_HTTP_PORT:-8000}"
 PROMPT="${HMOE_PROMPT:-The quick brown fox}"
 MAX_NEW="${HMOE_MAX_NEW_TOKENS:-32}"
 start=$SECONDS
@@ -65,7 +68,7 @@ if [[ -f "$CONF" ]] && supervisorctl -c "$CONF" status >/dev/null 2>&1; then
   stop_supervisord "$CONF" "$RUN_DIR"
 fi
 "$HMOE" deploy --model "$MODEL" --out "$DEPLOY" --run-dir "$RUN_DIR" --gpus "$GPUS" \
-  --listen "127.0.0.1:$PORT" --instance quickstart --weightd-args=--remove-on-exit
+  --listen "127.0.0.1:$PORT" --http-listen "127.0.0.1:$HTTP_PORT" --instance quickstart --weightd-args=--remove-on-exit
 supervisord -c "$CONF"
 stop_service() {
   stop_supervisord "$CONF" "$RUN_DIR"
@@ -88,11 +91,20 @@ echo "-----"
 "$HMOE" generate --addr "127.0.0.1:$PORT" --prompt "$PROMPT" --max-new-tokens "$MAX_NEW" \
   --ignore-eos
 echo "-----"
+say "the same service through the OpenAI-compatible HTTP API (http://127.0.0.1:$HTTP_PORT/v1):"
+CHAT_BODY=$(python3 -c 'import json, sys; print(json.dumps({"model": sys.argv[1], "messages": [{"role": "user", "content": sys.argv[2]}], "max_tokens": 8, "temperature": 0, "stream": True, "ignore_eos": True}))' "$(basename "$MODEL")" "$PROMPT")
+echo "curl -N http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' -d '$CHAT_BODY'"
+echo "-----"
+curl -sS -N --fail-with-body "http://127.0.0.1:$HTTP_PORT/v1/chat/completions" \
+  -H 'Content-Type: application/json' -d "$CHAT_BODY"
+echo "-----"
 say "done (the demo model has random weights: the text is gibberish by design; greedy tokens are"
 echo "            deterministic). Logs: $DEPLOY/logs/"
 if [[ "${HMOE_KEEP_RUNNING:-0}" == 1 ]]; then
   echo "The service keeps running on 127.0.0.1:$PORT. Try:"
   echo "  $HMOE generate --addr 127.0.0.1:$PORT --prompt \"Hello\" --max-new-tokens 16"
+  echo "  curl -N http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' \\"
+  echo "    -d '{\"model\":\"$(basename "$MODEL")\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"stream\":true}'"
   echo "  supervisorctl -c $CONF status"
   echo "Stop it with:"
   echo "  supervisorctl -c $CONF shutdown"

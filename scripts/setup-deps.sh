@@ -11,6 +11,7 @@ PACKAGES=(
   supervisor clang-format
   python3 python3-venv  # the GGUF oracle test's venv (tests/model/gguf_oracle_test.py)
   nlohmann-json3-dev python3-jinja2  # JSON in common/chat; the chat-template conformance test
+  prometheus-cpp-dev  # hmoe-router's /metrics (Boost.Beast, its HTTP server, is in libboost-dev)
   clang-14 libfuzzer-14-dev  # scripts/fuzz.sh and test.sh's fuzz configuration
 )
 

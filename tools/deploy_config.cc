@@ -139,6 +139,7 @@ absl::StatusOr<DeployOptions> Resolve(DeployOptions o) {
   if (o.cpus < 0) return absl::InvalidArgumentError("--cpus: must be >= 0");
   if (o.cpus == 0) o.cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   HMOE_RETURN_IF_ERROR(CheckArgs("--listen", {o.listen}));
+  HMOE_RETURN_IF_ERROR(CheckArgs("--http-listen", {o.http_listen}));
   o.model_dir = Absolute(o.model_dir);
   o.out_dir = Absolute(o.out_dir);
   if (o.run_dir.empty()) o.run_dir = o.out_dir + "/run";
@@ -255,6 +256,7 @@ std::string RenderSupervisordConf(const DeployOptions& o) {
                                      "--model",           o.model_dir,       "--registry-socket",
                                      Socket(o, "router"), "--drain-seconds", drain};
   if (!o.dslp_ep_mode.empty()) router.push_back("--dslp-ep-mode=" + o.dslp_ep_mode);
+  if (!o.http_listen.empty()) router.push_back("--http-listen=" + o.http_listen);
   router.insert(router.end(), o.router_args.begin(), o.router_args.end());
   AppendProgram(&out, o, "router", 40, Join(router), "");
   return out;

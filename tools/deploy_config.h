@@ -58,6 +58,8 @@ struct DeployOptions {
   std::string instance = "hmoe";
   // The router's public address.
   std::string listen = "127.0.0.1:50051";
+  // The router's OpenAI-compatible HTTP address (--http-listen); empty: no HTTP.
+  std::string http_listen = "127.0.0.1:8000";
   // How long each process may drain on SIGTERM; supervisord waits 15 s longer before SIGKILL.
   int drain_seconds = 30;
   // How long a worker waits for weightd to finish loading before it gives up (and supervisord

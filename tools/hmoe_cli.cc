@@ -72,6 +72,8 @@ ABSL_FLAG(int, prefill_workers, -1,
           "hmoe-prefill-worker binary exists)");
 ABSL_FLAG(std::string, instance, "hmoe", "deploy: weightd instance name");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "deploy: the router's public address");
+ABSL_FLAG(std::string, http_listen, "127.0.0.1:8000",
+          "deploy: the router's OpenAI-compatible HTTP address (empty: off)");
 ABSL_FLAG(std::string, bin_dir, "",
           "deploy: where the executables are (a bin directory or a CMake build tree; default: "
           "next to this hmoe)");
@@ -174,6 +176,7 @@ int Deploy(const char* argv0) {
   o.prefill_workers = absl::GetFlag(FLAGS_prefill_workers);
   o.instance = absl::GetFlag(FLAGS_instance);
   o.listen = absl::GetFlag(FLAGS_listen);
+  o.http_listen = absl::GetFlag(FLAGS_http_listen);
   o.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   o.weightd_args = SplitArgs(absl::GetFlag(FLAGS_weightd_args));
   o.prefill_args = SplitArgs(absl::GetFlag(FLAGS_prefill_args));
@@ -198,7 +201,8 @@ int Deploy(const char* argv0) {
   }
   const std::string conf = written->out_dir + "/supervisord.conf";
   std::cout << "wrote " << conf << " (weightd, " << written->prefill_workers
-            << " prefill worker(s), decode worker, router on " << written->listen << ")\n"
+            << " prefill worker(s), decode worker, router on " << written->listen
+            << (written->http_listen.empty() ? "" : " and http://" + written->http_listen) << ")\n"
             << "  start:   supervisord -c " << conf << "\n"
             << "  status:  supervisorctl -c " << conf << " status\n"
             << "  stop:    supervisorctl -c " << conf << " shutdown\n"

@@ -1129,6 +1129,8 @@ class SupervisedNode {
         "--out=" + n->out_,
         absl::StrCat("--instance=node-", tag, "-", ::getpid()),
         "--listen=127.0.0.1:0",
+        // Not deploy's default 127.0.0.1:8000: stacks of this test run at the same time.
+        "--http-listen=127.0.0.1:0",
         absl::StrCat("--prefill-workers=", prefill_workers),
         "--drain-seconds=5",
         "--weightd-args=--hugepages off --numa off --remove-on-exit",

@@ -134,6 +134,10 @@ TEST_F(DeployConfigTest, TwoGpusGetAPrefillWorkerEachInStartOrder) {
   EXPECT_TRUE(absl::StrContains(decode, "--router unix:" + r->run_dir + "/router.sock")) << decode;
   EXPECT_TRUE(absl::StrContains(conf.at("program:router").at("command"),
                                 "--registry-socket " + r->run_dir + "/router.sock"));
+  // The OpenAI HTTP API is on by default (issue 17).
+  EXPECT_TRUE(
+      absl::StrContains(conf.at("program:router").at("command"), "--http-listen=127.0.0.1:8000"))
+      << conf.at("program:router").at("command");
   EXPECT_EQ(conf.at("program:weightd").at("environment"),
             absl::StrCat("HMOE_RUNTIME_DIR=\"", r->run_dir, "\""));
   // supervisorctl talks to an owner-only socket.
