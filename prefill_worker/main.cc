@@ -296,13 +296,14 @@ int Run() {
     reg.heartbeat_interval = absl::Milliseconds(heartbeat_ms);
     PrefillScheduler* sched = scheduler.get();
     const SlpRunner* run = runner->get();
-    registry = std::make_unique<rpc::RegistryClient>(reg, [sched, run] {
+    registry = std::make_unique<rpc::RegistryClient>(reg, [sched, run, max_waiting] {
       const PrefillSchedulerStats s = sched->stats();
       rpc::WorkerLoadReport load;
       load.draining = s.draining;
       load.running = s.busy ? 1 : 0;
       load.waiting = s.waiting;
       load.batch_size = 1;
+      load.max_waiting = max_waiting;  // The router's prefill queue follows it.
       load.kv_blocks_free = run->kv_blocks_free();
       load.kv_blocks_total = run->kv_blocks_total();
       return load;

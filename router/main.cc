@@ -2,16 +2,21 @@
 // registry (proto/worker_registry.proto). Wiring only: the logic lives in hmoe_router_lib.
 // See docs/api.md.
 
+#include <malloc.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -266,6 +271,24 @@ int main(int argc, char** argv) {
   HMOE_LOG(INFO) << "SERVING on port " << port << " (vocab " << options.limits.vocab_size
                  << ", context " << options.limits.context_length
                  << (tokenizer != nullptr ? ", tokenizer" : ", no tokenizer") << ")";
+
+  // After a burst, glibc keeps the memory the request threads freed in their arenas: once the
+  // router is idle (nothing in flight) after serving requests, hand it back to the system. Without
+  // it the router's RSS climbed 28 % over a 30-minute soak that ended idle (docs/soak.md).
+  std::jthread idle_trim([&router](std::stop_token stop) {
+    std::mutex mu;
+    std::condition_variable_any wake;
+    int64_t trimmed_at = -1;
+    std::unique_lock<std::mutex> lock(mu);
+    while (!wake.wait_for(lock, stop, std::chrono::seconds(5),
+                          [&stop] { return stop.stop_requested(); })) {
+      const hmoe::v1::RouterStatus st = router.GetStatus();
+      if (st.inflight() == 0 && st.requests_total() != trimmed_at) {
+        ::malloc_trim(0);
+        trimmed_at = st.requests_total();
+      }
+    }
+  });
 
   int sig = 0;
   sigwait(&signals, &sig);
