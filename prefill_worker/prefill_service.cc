@@ -135,6 +135,7 @@ rpc::WorkerLoadReport PrefillLoadReport(const PrefillScheduler& scheduler,
   load.running = s.busy ? 1 : 0;
   load.waiting = s.waiting;
   load.batch_size = 1;
+  load.max_waiting = scheduler.options().max_waiting;  // The router's prefill queue follows it.
   load.kv_blocks_free = runner.kv_blocks_free();
   load.kv_blocks_total = runner.kv_blocks_total();
   return load;

@@ -16,7 +16,7 @@ namespace hmoe::router {
 struct RouterFlags {
   RouterOptions options;
   std::unique_ptr<Tokenizer> tokenizer;  // the model's, when it has one
-  std::string model_dir;  // --model; empty without one
+  std::string model_dir;                 // --model; empty without one
   std::string listen;
   std::string registry_socket;  // empty: the registry is served on `listen`
   std::string port_file;

@@ -25,12 +25,17 @@ std::vector<std::string> PrefillQueue::GrantableLocked(const std::vector<std::st
 
 absl::StatusOr<std::vector<std::string>> PrefillQueue::Acquire(
     const std::vector<std::string>& candidates, Need need, absl::Time deadline,
-    const std::function<bool()>& cancelled, const std::function<bool(const std::string&)>& usable) {
+    const std::function<bool()>& cancelled, const std::function<bool(const std::string&)>& usable,
+    int32_t max_waiting) {
   if (candidates.empty()) return absl::InvalidArgumentError("prefill queue: no candidate workers");
+  const bool advertised = max_waiting >= 0 && max_waiting < options_.max_waiting;
+  const int32_t limit = advertised ? max_waiting : options_.max_waiting;
   absl::MutexLock lock(&mu_);
-  if (static_cast<int32_t>(queue_.size()) >= options_.max_waiting) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "router: ", options_.max_waiting, " long prompts wait for a prefill worker; retry later"));
+  if (static_cast<int32_t>(queue_.size()) >= limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("router: ", limit, " long prompts wait for a prefill worker",
+                     advertised ? " (the waiting room the live prefill workers advertise)" : "",
+                     "; retry later"));
   }
   const int64_t ticket = next_ticket_++;
   queue_.push_back(ticket);

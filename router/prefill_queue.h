@@ -39,7 +39,9 @@ class PrefillQueue {
   // Joins the queue and blocks until this request is at its head and the workers it needs are
   // free; marks them busy and returns them (in candidate order). The caller must Release() them.
   // Errors (the request leaves the queue):
-  //   ResourceExhausted  max_waiting requests already wait (nothing waited);
+  //   ResourceExhausted  max_waiting requests already wait (nothing waited): the smaller of
+  //                      Options::max_waiting and the `max_waiting` argument when >= 0 (the
+  //                      waiting room the prefill workers advertise now);
   //   Cancelled          `cancelled()` returned true;
   //   DeadlineExceeded   `deadline` (absl::Now() time) passed;
   //   Unavailable        a needed candidate is no longer usable (`usable(id)` false: for kAll any
@@ -49,8 +51,8 @@ class PrefillQueue {
   // the queue.
   absl::StatusOr<std::vector<std::string>> Acquire(
       const std::vector<std::string>& candidates, Need need, absl::Time deadline,
-      const std::function<bool()>& cancelled, const std::function<bool(const std::string&)>& usable)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      const std::function<bool()>& cancelled, const std::function<bool(const std::string&)>& usable,
+      int32_t max_waiting = -1) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees workers acquired before.
   void Release(const std::vector<std::string>& workers) ABSL_LOCKS_EXCLUDED(mu_);

@@ -286,6 +286,16 @@ int32_t Router::AdmissionLimit() const {
   return static_cast<int32_t>(std::min<int64_t>(options_.max_inflight, room));
 }
 
+int32_t Router::PrefillQueueLimit() const {
+  int64_t room = 0;
+  for (const WorkerView& w : registry_->Live(WorkerKind::kPrefill)) {
+    if (w.load.batch_size <= 0 || w.load.max_waiting <= 0) return options_.max_prefill_queue;
+    room += w.load.max_waiting;
+  }
+  if (room == 0) return options_.max_prefill_queue;  // no live prefill worker: Route says so
+  return static_cast<int32_t>(std::min<int64_t>(options_.max_prefill_queue, room));
+}
+
 absl::Status Router::Admit(const std::string& request_id, GenerateSink* sink,
                            std::shared_ptr<Inflight>* out) {
   const int32_t limit = AdmissionLimit();
@@ -685,7 +695,8 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
           [&](const std::string& id) {
             const std::optional<WorkerView> w = registry_->Find(id);
             return w.has_value() && w->state == WorkerState::kLive;
-          }));
+          },
+          PrefillQueueLimit()));
   absl::Cleanup free_workers = [&] { prefill_queue_.Release(granted); };
   req.timing.set_queue_us(absl::ToInt64Microseconds(absl::Now() - req.arrival));
 
@@ -888,6 +899,7 @@ v1::ModelInfo Router::GetModelInfo() const {
 v1::RouterStatus Router::GetStatus() const {
   v1::RouterStatus s;
   const int32_t limit = AdmissionLimit();
+  const int32_t prefill_limit = PrefillQueueLimit();
   const absl::Time now = clock_->Now();
   const std::vector<WorkerView> workers = registry_->Snapshot();
   absl::MutexLock lock(&mu_);
@@ -916,7 +928,7 @@ v1::RouterStatus Router::GetStatus() const {
   s.set_inflight(static_cast<int32_t>(inflight_.size()));
   s.set_max_inflight(limit);
   s.set_prefill_queue(prefill_queue_.waiting());
-  s.set_max_prefill_queue(prefill_queue_.max_waiting());
+  s.set_max_prefill_queue(prefill_limit);
   s.set_requests_total(requests_total_);
   s.set_requests_rejected(requests_rejected_);
   s.set_requests_failed(requests_failed_);

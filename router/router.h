@@ -77,7 +77,8 @@ struct RouterOptions {
   PolicyOptions policy;
   // Requests admitted and not finished; RESOURCE_EXHAUSTED beyond.
   int32_t max_inflight = 256;
-  // Long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond.
+  // Long prompts waiting for a prefill worker; RESOURCE_EXHAUSTED beyond (less when the live
+  // prefill workers advertise less waiting room: Router::PrefillQueueLimit).
   int32_t max_prefill_queue = 64;
   // DSLP groups: every DSLP dispatch forms a new group named "<dslp_group_prefix>-<n>" (its
   // DslpGroup.group_id and shm_group; n counts this router's groups), so a group whose member
@@ -168,6 +169,10 @@ class Router {
   // The admission limit: max_inflight, or less when the live decode workers advertise less room
   // (batch_size + max_waiting each, from their heartbeats).
   int32_t AdmissionLimit() const;
+  // Long prompts that may wait for a prefill worker: the sum of the --max-waiting the live prefill
+  // workers advertise, at most max_prefill_queue (which applies alone while a live prefill worker
+  // has not reported it).
+  int32_t PrefillQueueLimit() const;
   // One dispatch: prefill (SLP/DSLP) when the route says so, then the decode worker's stream.
   Outcome RunAttempt(Request& request, const RouteDecision& route, int attempt)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -341,8 +341,8 @@ std::string OneLine(std::string s) {
   return s;
 }
 
-grpc::StatusCode OneRequest(v1::Hmoe::Stub* stub, const v1::ModelInfo& info, const std::string& kind,
-                std::mt19937_64& rng, LoadLog& log) {
+grpc::StatusCode OneRequest(v1::Hmoe::Stub* stub, const v1::ModelInfo& info,
+                            const std::string& kind, std::mt19937_64& rng, LoadLog& log) {
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   v1::GenerateRequest req;
   int prompt_len = uniform(4, 16);

@@ -28,6 +28,11 @@ EXPECTED = {  # request kind -> statuses that are its expected outcomes (docs/so
 }
 
 
+# Quiet time before a snapshot: the router hands freed memory back to the system within 5 s of
+# going idle (router/main.cc), the workers' last streams close.
+SETTLE_S = 7
+
+
 def now_ms():
     return int(time.time() * 1000)
 
@@ -126,7 +131,9 @@ def snapshot(stack, instance):
     snap = {}
     for name, pid in sorted(progs.items()):
         rss = proc_field(pid, "VmRSS") if pid else None
+        anon = proc_field(pid, "RssAnon") if pid else None
         snap[name] = {"pid": pid, "rss_kb": int(rss) if rss else None,
+                      "anon_kb": int(anon) if anon else None,
                       "sockets": socket_fds(pid) if pid else None}
     return snap, shm_files(instance)
 
@@ -161,6 +168,8 @@ def main():
     ap.add_argument("--burst-size", type=int, default=100)
     ap.add_argument("--recovery-limit-s", type=float, default=5)
     ap.add_argument("--rss-limit-pct", type=float, default=5)
+    ap.add_argument("--rss-gate", type=int, default=1,
+                    help="0: report RSS growth past the limit without failing")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     stack = Stack(a)
@@ -198,7 +207,8 @@ def main():
             if time.time() >= next_sample:  # RSS of every process every 30 s (docs/soak.md)
                 next_sample += 30
                 rss_log.write(f"{now_ms()}\t" + "\t".join(
-                    f"{n}={proc_field(p, 'VmRSS') if p else '-'}" for n, p in sorted(progs.items()))
+                    f"{n}={proc_field(p, 'VmRSS') if p else '-'}/{proc_field(p, 'RssAnon') if p else '-'}"
+                    for n, p in sorted(progs.items()))
                     + "\n")
             parents = set(p for p in progs.values() if p)
             zombie_seen.update(zombies(parents))
@@ -264,6 +274,7 @@ def main():
     if warm_rc != 0 or not quiet():
         say(f"the warm-up failed (load exit {warm_rc}): {warm_summary}")
         return 2
+    time.sleep(SETTLE_S)
     start_snap, start_shm = snapshot(stack, a.instance)
     start_shm |= initial_shm
     say("start: " + json.dumps(start_snap))
@@ -273,7 +284,7 @@ def main():
     load_rc, load_summary = phase(duration, requests_log, a.burst_every_s)
     say("load finished; waiting for the stack to be quiet")
     quiet()
-    time.sleep(2)  # Let the allocators settle after the last requests.
+    time.sleep(SETTLE_S)
     end_snap, end_shm = snapshot(stack, a.instance)
     zombie_end = zombies(set(p["pid"] for p in end_snap.values() if p["pid"]))
     say("end: " + json.dumps(end_snap))
@@ -346,7 +357,7 @@ def main():
     print(f"zombies (during / at the end) {len(zombie_seen)} / {len(zombie_end)}")
     print()
     print(f"{'process':<14}{'pid start':>10}{'pid end':>10}{'RSS start':>12}{'RSS end':>12}"
-          f"{'growth':>9}{'sockets':>10}")
+          f"{'growth':>9}{'anon start':>12}{'anon end':>10}{'growth':>9}{'sockets':>10}")
     rss_fail = []
     sock_fail = []
     for name in sorted(set(start_snap) | set(end_snap)):
@@ -358,6 +369,9 @@ def main():
             growth = f"{g:+.1f}%"
             if same and g >= a.rss_limit_pct:
                 rss_fail.append(name)
+        anon_growth = ""
+        if s.get("anon_kb") and e.get("anon_kb"):
+            anon_growth = f"{100.0 * (e['anon_kb'] - s['anon_kb']) / s['anon_kb']:+.1f}%"
         socks = f"{s.get('sockets')}->{e.get('sockets')}"
         # Slack of 2 for connections opening or closing at the snapshot: the router's include the
         # soak's own `hmoe status` polls. A leak of one per worker restart would exceed it.
@@ -366,7 +380,8 @@ def main():
             sock_fail.append(name)
         fmt = lambda kb: f"{kb / 1024:.1f} MiB" if kb else "-"
         print(f"{name:<14}{s.get('pid') or '-':>10}{e.get('pid') or '-':>10}"
-              f"{fmt(s.get('rss_kb')):>12}{fmt(e.get('rss_kb')):>12}{growth:>9}{socks:>10}"
+              f"{fmt(s.get('rss_kb')):>12}{fmt(e.get('rss_kb')):>12}{growth:>9}"
+              f"{fmt(s.get('anon_kb')):>12}{fmt(e.get('anon_kb')):>10}{anon_growth:>9}{socks:>10}"
               f"{'' if same else '  restarted: not gated'}")
     print()
 
@@ -389,11 +404,15 @@ def main():
         failures.append("leaks (shm segments, sockets, processes or zombies)")
     if sock_fail:
         failures.append(f"open sockets grew by more than 2: {', '.join(sock_fail)}")
-    if rss_fail:
+    if rss_fail and a.rss_gate:
         failures.append(f"RSS grew by {a.rss_limit_pct}% or more: {', '.join(rss_fail)}")
+    elif rss_fail:
+        print(f"NOT GATED (HMOE_SOAK_RSS_GATE=0): RSS grew by {a.rss_limit_pct}% or more: "
+              f"{', '.join(rss_fail)}")
     for f in failures:
         print("FAIL: " + f)
-    print("soak: " + ("FAILED" if failures else "PASSED (every criterion of issue #16 acceptance 4)"))
+    print("soak: " + ("FAILED" if failures else "PASSED (every criterion of issue #16 acceptance 4" +
+                      (")" if a.rss_gate else " but RSS growth, which was not gated)")))
     return 1 if failures else 0
 
 

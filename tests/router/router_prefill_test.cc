@@ -24,6 +24,7 @@
 #include "tests/router/fake_decode_client.h"
 #include "tests/router/fake_prefill_client.h"
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace hmoe::router {
@@ -461,6 +462,38 @@ TEST_F(RouterPrefillTest, PrefillIsFirstComeFirstServedAndTheQueueIsBounded) {
   absl::MutexLock lock(&log.mu);
   ASSERT_EQ(log.prefills.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(log.prefills[i].request_id(), absl::StrCat("r", i));
+}
+
+// Issue #16: the prefill queue follows the waiting room the live prefill workers advertise (as
+// the admission limit follows the decode workers'), within --max-prefill-queue.
+TEST_F(RouterPrefillTest, ThePrefillQueueFollowsTheAdvertisedWaitingRoom) {
+  Start();  // max_prefill_queue 64
+  AddDecode("d0", "cuda:0", {.tokens = {5}});
+  Gate gate;
+  AddPrefill("p1", "cuda:1", {.gate = &gate});
+  EXPECT_EQ(router_->GetStatus().max_prefill_queue(), 64);  // p1 has not reported yet
+  ASSERT_TRUE(registry_.Heartbeat("p1", {.batch_size = 1, .max_waiting = 1}).ok());
+  EXPECT_EQ(router_->GetStatus().max_prefill_queue(), 1);
+  std::vector<Sink> sinks(2);
+  std::vector<absl::Status> results(2);
+  {
+    std::vector<std::jthread> clients;
+    clients.emplace_back([&] { results[0] = Generate(Request("r0", 40), &sinks[0]); });
+    WaitUntil([&] { return Prefills("p1") == 1; }, "r0 prefilling");
+    clients.emplace_back([&] { results[1] = Generate(Request("r1", 40), &sinks[1]); });
+    WaitUntil([&] { return router_->GetStatus().prefill_queue() == 1; }, "r1 queued");
+    Sink overflow;
+    const absl::Status s = Generate(Request("r2", 40), &overflow);
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_THAT(std::string(s.message()),
+                ::testing::HasSubstr("the waiting room the live prefill workers advertise"));
+    gate.Open();
+  }
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
+  // A second prefill worker adds its room.
+  AddPrefill("p2", "cuda:2");
+  ASSERT_TRUE(registry_.Heartbeat("p2", {.batch_size = 1, .max_waiting = 3}).ok());
+  EXPECT_EQ(router_->GetStatus().max_prefill_queue(), 4);
 }
 
 TEST_F(RouterPrefillTest, CancelWhileWaitingForAPrefillWorker) {

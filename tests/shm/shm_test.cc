@@ -317,6 +317,31 @@ TEST(DataSegmentTest, HugepagesFallBackWhenThePoolIsShort) {
   EXPECT_TRUE(DataSegment::Remove(seg->handle()).ok());
 }
 
+// Issue #16: the room check weightd runs before it creates a store.
+TEST(SharedMemoryRoomTest, AStoreFitsInShmPlusTheHugepagePoolsItMayUse) {
+  const std::vector<uint64_t> segments = {3 << 20, 1};  // rounded: 4 MiB + 2 MiB with advice
+  EXPECT_EQ(ShmemBytesFor(segments, HugePageMode::kAuto), uint64_t{6} << 20);
+  EXPECT_EQ(ShmemBytesFor(segments, HugePageMode::kOff), (uint64_t{3} << 20) + 4096);
+  SharedMemoryRoom room{.shm_free_bytes = uint64_t{6} << 20};
+  EXPECT_TRUE(CheckRoomForSegments(segments, HugePageMode::kAuto, room).ok());  // exactly
+  room.shm_free_bytes = (uint64_t{6} << 20) - 1;
+  absl::Status s = CheckRoomForSegments(segments, HugePageMode::kAuto, room);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("the store needs 6.0 MiB (6291456 bytes in 2 segment(s))"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("/dev/shm has 6.0 MiB free"), std::string::npos) << s;
+  // Hugepages make up the difference for the modes that may use them, not for thp/off.
+  room.hugetlb_2m_free_bytes = uint64_t{2} << 20;
+  EXPECT_TRUE(CheckRoomForSegments(segments, HugePageMode::k2M, room).ok());
+  s = CheckRoomForSegments(segments, HugePageMode::kThp, room);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("hugetlb pools not used with --hugepages thp"), std::string::npos)
+      << s;
+  // --hugepages off rounds to 4 KiB pages: 3 MiB + 4 KiB fit in just under 6 MiB.
+  EXPECT_TRUE(CheckRoomForSegments(segments, HugePageMode::kOff, room).ok());
+}
+
 TEST(ControlSegmentTest, CreateIsOwnerOnlyAndExclusive) {
   const std::string instance = Instance("ctl");
   absl::StatusOr<ControlSegment> c = ControlSegment::Create(instance, 4096);
