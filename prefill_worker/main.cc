@@ -19,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -27,7 +26,6 @@
 #include "common/base/status_macros.h"
 #include "common/comm/shm_collective.h"
 #include "common/device/cpu_device.h"
-#include "common/device/cuda_host_register.h"
 #include "common/device/device.h"
 #include "common/device/device_flag.h"
 #include "common/dslp/dslp.h"
@@ -36,6 +34,7 @@
 #include "common/process/socket_path.h"
 #include "common/rpc/worker_server.h"
 #include "common/shm/worker_weights.h"
+#include "common/worker/worker_flags.h"
 #include "prefill_worker/flags.h"
 #include "prefill_worker/kv_exports.h"
 #include "prefill_worker/prefill_scheduler.h"
@@ -46,28 +45,6 @@ namespace hmoe::prefill {
 namespace {
 
 using process::FlagError;
-
-// H2D copies read weightd's mapping directly: page-lock it read-only once, so every copy is an
-// asynchronous DMA at full PCIe speed with no staging copy.
-std::vector<ScopedHostRegister> RegisterWeights(const shm::WeightSourceHolder& weights) {
-  std::vector<ScopedHostRegister> registered;
-  if (weights.store == nullptr) {
-    HMOE_LOG(WARNING) << "--model on a GPU: weight copies read pageable memory (staged); "
-                         "serve from hmoe-weightd for full-speed streaming";
-    return registered;
-  }
-  for (const shm::WeightStore::Segment& segment : weights.store->segments()) {
-    absl::StatusOr<ScopedHostRegister> r =
-        ScopedHostRegister::Create(segment.bytes.data(), segment.bytes.size(), true);
-    if (!r.ok()) {
-      HMOE_LOG(WARNING) << "cudaHostRegister of a weightd segment (" << segment.bytes.size()
-                        << " bytes): " << r.status() << "; its copies will be staged";
-      continue;
-    }
-    registered.push_back(*std::move(r));
-  }
-  return registered;
-}
 
 absl::Status Run(process::StopSignalWatcher& signals) {
   const absl::Time start = absl::Now();
@@ -96,7 +73,7 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   const shm::WeightSourceHolder* weights = &res.weights;
   Device* device = res.device.get();
   std::vector<ScopedHostRegister> registered;
-  if (flags.common.device.kind == DeviceKind::kCuda) registered = RegisterWeights(*weights);
+  if (flags.common.device.kind == DeviceKind::kCuda) registered = worker::PageLockWeights(*weights);
   absl::StatusOr<std::unique_ptr<SlpRunner>> runner =
       SlpRunner::Create(weights->config, weights->source(), *device, *res.pool, ro);
   if (!runner.ok()) {

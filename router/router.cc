@@ -503,7 +503,7 @@ Router::Outcome Router::CancelledOutcome(Request& req) {
   if (req.inflight->CancelledByRpc() && !req.client_write_failed) {
     v1::Finished f;
     f.set_stop_token_id(-1);
-    f.set_reason(v1::FINISH_REASON_CANCELLED);
+    f.set_reason(FinishReasonToApi(FinishReason::kCancelled));
     f.set_error_message("cancelled by the Cancel RPC");
     f.mutable_usage()->set_completion_tokens(req.tokens_streamed);
     return {false, Finish(req, std::move(f))};
@@ -631,7 +631,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   v1::Finished f;
   f.set_stop_token_id(-1);
   if (!req.stop_string.empty()) {
-    f.set_reason(v1::FINISH_REASON_STOP);
+    f.set_reason(FinishReasonToApi(FinishReason::kStop));
     f.set_stop_string(req.stop_string);
   } else if (finished.has_value() && status.ok()) {
     f.set_reason(FinishReasonToApi(rpc::FinishReasonFromProto(finished->reason())));
@@ -640,7 +640,7 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
     if (req.text.has_value()) {
       std::string rest = req.text->Flush(&req.stop_string);
       if (!req.stop_string.empty()) {
-        f.set_reason(v1::FINISH_REASON_STOP);
+        f.set_reason(FinishReasonToApi(FinishReason::kStop));
         f.set_stop_string(req.stop_string);
       }
       if (req.proto->detokenize()) f.set_text(std::move(rest));

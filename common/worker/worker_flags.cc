@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
+#include "common/base/logging.h"
 #include "common/base/status_macros.h"
 #include "common/process/daemon.h"
 #include "common/process/socket_path.h"
@@ -81,6 +82,26 @@ absl::StatusOr<Resources> OpenResources(const CommonFlags& f, CpuDeviceOptions c
   cpu.pool = r.pool.get();
   HMOE_ASSIGN_OR_RETURN(r.device, NewDeviceFromSpec(f.device, cpu, cuda_budget_bytes));
   return r;
+}
+
+std::vector<ScopedHostRegister> PageLockWeights(const shm::WeightSourceHolder& weights) {
+  std::vector<ScopedHostRegister> registered;
+  if (weights.store == nullptr) {
+    HMOE_LOG(WARNING) << "--model on a GPU: weight copies read pageable memory (staged); "
+                         "serve from hmoe-weightd for full-speed streaming";
+    return registered;
+  }
+  for (const shm::WeightStore::Segment& segment : weights.store->segments()) {
+    absl::StatusOr<ScopedHostRegister> r =
+        ScopedHostRegister::Create(segment.bytes.data(), segment.bytes.size(), true);
+    if (!r.ok()) {
+      HMOE_LOG(WARNING) << "cudaHostRegister of a weightd segment (" << segment.bytes.size()
+                        << " bytes): " << r.status() << "; its copies will be staged";
+      continue;
+    }
+    registered.push_back(*std::move(r));
+  }
+  return registered;
 }
 
 }  // namespace hmoe::worker

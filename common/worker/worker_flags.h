@@ -8,11 +8,13 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 #include "common/device/cpu_device.h"
+#include "common/device/cuda_host_register.h"
 #include "common/device/device.h"
 #include "common/device/device_flag.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
@@ -48,5 +50,10 @@ struct Resources {
 // GPU with `cuda_budget_bytes`). Errors name what failed ("open weights: ...").
 absl::StatusOr<Resources> OpenResources(const CommonFlags& f, CpuDeviceOptions cpu,
                                         size_t cuda_budget_bytes);
+
+// H2D copies read weightd's mapping directly: page-locks each of its segments read-only once, so
+// every copy is an asynchronous DMA at full PCIe speed with no staging copy. A segment that cannot
+// be registered (or weights read from --model) only logs a warning: its copies are staged.
+std::vector<ScopedHostRegister> PageLockWeights(const shm::WeightSourceHolder& weights);
 
 }  // namespace hmoe::worker
