@@ -27,7 +27,6 @@ usage: openai_client_test.py --bin-dir BUILD --work-dir DIR --venv DIR --require
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -41,32 +40,10 @@ SKIP = 77
 
 
 def ensure_venv(args):
-    """Re-executes this script under the venv's python, creating the venv first if needed."""
-    if os.environ.get("HMOE_OPENAI_TEST_IN_VENV") == "1":
-        return
-    req = open(args.requirements, "rb").read()
-    stamp = os.path.join(args.venv, "requirements.sha256")
-    digest = hashlib.sha256(req).hexdigest()
-    python = os.path.join(args.venv, "bin", "python")
-    if not (os.path.exists(stamp) and open(stamp).read() == digest and os.path.exists(python)):
-        shutil.rmtree(args.venv, ignore_errors=True)
-        steps = [[sys.executable, "-m", "venv", args.venv],
-                 [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-r",
-                  args.requirements]]
-        for cmd in steps:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                msg = ("cannot install the openai package (%s failed: %s)" %
-                       (" ".join(cmd[:4]), (r.stderr or r.stdout).strip()[-800:]))
-                if os.environ.get("CI") == "true":
-                    print("FAILED: " + msg + " (CI=true: this test must run)")
-                    sys.exit(1)
-                print("SKIPPED: " + msg)
-                sys.exit(SKIP)
-        with open(stamp, "w") as f:
-            f.write(digest)
-    env = dict(os.environ, HMOE_OPENAI_TEST_IN_VENV="1")
-    os.execve(python, [python] + sys.argv, env)
+    """Re-executes this script under the venv's python (tests/python/hmoe_venv.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import hmoe_venv
+    hmoe_venv.ensure_venv(args.venv, args.requirements, "the openai package", "HMOE_OPENAI_TEST_IN_VENV")
 
 
 def free_port():
