@@ -20,7 +20,8 @@
 #   HMOE_SOAK_KILL_EVERY_S     default 10;  HMOE_SOAK_WEIGHTD_EVERY_S  default 60
 #   HMOE_SOAK_CONCURRENCY      client threads of the steady load (default 4)
 #   HMOE_SOAK_BURST_EVERY_S    default 30;  HMOE_SOAK_BURST_SIZE  default 100
-#   HMOE_SOAK_WARMUP_S         load (with a burst) before the start snapshot (default 30)
+#   HMOE_SOAK_WARMUP_S         load and faults (a burst every 30 s) before the start snapshot
+#                              (default 180: the router's allocator reaches its plateau; docs/soak.md)
 #   HMOE_SOAK_RSS_GATE=0       report RSS growth >= 5 % without failing (scripts/test.sh: the
 #                              router's RSS swings with glibc's arenas, not a leak: docs/soak.md)
 #   HMOE_SOAK_WEIGHTD_ARGS     extra hmoe-weightd flags (--remove-on-exit shows the soak failing:
@@ -100,7 +101,7 @@ python3 -B "$ROOT/scripts/lib/soak.py" --hmoe "$HMOE" --addr "$ADDR" --conf "$CO
   --minutes "$MINUTES" --kill-every-s "${HMOE_SOAK_KILL_EVERY_S:-10}" \
   --weightd-every-s "${HMOE_SOAK_WEIGHTD_EVERY_S:-60}" \
   --concurrency "${HMOE_SOAK_CONCURRENCY:-4}" --burst-every-s "${HMOE_SOAK_BURST_EVERY_S:-30}" \
-  --burst-size "${HMOE_SOAK_BURST_SIZE:-100}" --warmup-s "${HMOE_SOAK_WARMUP_S:-30}" \
+  --burst-size "${HMOE_SOAK_BURST_SIZE:-100}" --warmup-s "${HMOE_SOAK_WARMUP_S:-180}" \
   --rss-gate "${HMOE_SOAK_RSS_GATE:-1}"
 rc=$?
 set -e

@@ -618,6 +618,10 @@ namespace {
 
 // tokenization_kimi.py's num_reserved_special_tokens: the special ids that follow the ranks.
 constexpr int64_t kTiktokenReservedSpecials = 256;
+// How far past the reserved ids a special token named by added_tokens_decoder may lie. The id
+// tables are dense, so an id is memory: without a bound a 60-byte tokenizer_config.json could make
+// the tokenizer allocate 2^24 entries (the fuzzer found the same through sparse ranks).
+constexpr int64_t kTiktokenMaxExtraSpecials = 65536;
 
 absl::Status InvalidTiktoken(size_t line, std::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("tiktoken.model line ", line, ": ", Av(what)));
@@ -638,6 +642,18 @@ absl::Status Tokenizer::ParseTiktoken(std::string_view model, std::string_view c
   };
   // Lines "<base64 bytes> <rank>"; empty lines are skipped (as tiktoken's load_tiktoken_bpe).
   std::vector<uint8_t> ranked;  // ranked[id]: a rank of tiktoken.model uses the id
+  // Ranks are the ids 0 .. N-1 of the N tokens: Kimi's tokenizer numbers its special tokens from
+  // N (len(mergeable_ranks)), so a gap would give a special token a rank's id. Counting the lines
+  // first lets a rank past them be refused before anything is allocated for it.
+  int64_t num_lines = 0;
+  for (size_t pos = 0; pos < model.size();) {
+    size_t eol = model.find('\n', pos);
+    if (eol == std::string_view::npos) eol = model.size();
+    std::string_view line = model.substr(pos, eol - pos);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    num_lines += line.empty() ? 0 : 1;
+    pos = eol + 1;
+  }
   size_t line_no = 0;
   std::string bytes;
   for (size_t pos = 0; pos < model.size();) {
@@ -662,6 +678,11 @@ absl::Status Tokenizer::ParseTiktoken(std::string_view model, std::string_view c
     for (char c : rank_text) rank = rank * 10 + (c - '0');
     if (rank >= kMaxTokenId) {
       return InvalidTiktoken(line_no, absl::StrCat("rank ", rank, " is not below 2^24"));
+    }
+    if (rank >= num_lines) {
+      return InvalidTiktoken(
+          line_no, absl::StrCat("rank ", rank, " is not below the number of tokens (", num_lines,
+                                "): the ranks must be 0 .. ", num_lines - 1));
     }
     if (b64.find_first_not_of(
             "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=") !=
@@ -738,6 +759,12 @@ absl::Status Tokenizer::ParseTiktoken(std::string_view model, std::string_view c
         id, it != named.end() ? it->second : absl::StrCat("<|reserved_token_", id, "|>"));
   }
   for (const auto& [id, content] : named) {
+    if (id >= num_base + kTiktokenReservedSpecials + kTiktokenMaxExtraSpecials) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer_config.json: special token \"", content, "\" has id ", id,
+                       ", more than ", kTiktokenMaxExtraSpecials, " past the reserved ids (",
+                       num_base, " .. ", num_base + kTiktokenReservedSpecials - 1, ")"));
+    }
     if (id < num_base || id >= num_base + kTiktokenReservedSpecials)
       specials.emplace_back(id, content);
   }

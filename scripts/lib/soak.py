@@ -270,7 +270,8 @@ def main():
     # processes that live through the soak (router, supervisord) reach their high-water marks
     # (bursts, retries, reconnections) before the start snapshot.
     say(f"warm-up: {a.warmup_s:.0f} s of the soak's load and faults")
-    warm_rc, warm_summary = phase(a.warmup_s, os.path.join(a.out, "warmup.tsv"), a.warmup_s / 2)
+    warm_rc, warm_summary = phase(a.warmup_s, os.path.join(a.out, "warmup.tsv"),
+                                 min(a.burst_every_s, a.warmup_s / 2))
     if warm_rc != 0 or not quiet():
         say(f"the warm-up failed (load exit {warm_rc}): {warm_summary}")
         return 2

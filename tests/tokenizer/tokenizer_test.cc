@@ -740,6 +740,14 @@ TEST(TiktokenTest, MalformedFilesAreInvalidArgumentNamingTheLine) {
   expect_invalid("YQ== 0\nYQ== 1\n", "", "line 2: token \"YQ==\" appears twice");
   expect_invalid("Y*== 0\n", "", "line 1: token");
   expect_invalid("YQ== 99999999\n", "", "not below 2^24");
+  // Found by the tiktoken fuzzer: a sparse rank made a 248-byte file allocate 11 M ids.
+  expect_invalid("YQ== 0\nYg== 11111124\n", "",
+                 "line 2: rank 11111124 is not below the number "
+                 "of tokens (2): the ranks must be 0 .. 1");
+  expect_invalid("YQ== 1\n", "", "line 1: rank 1 is not below the number of tokens (1)");
+  expect_invalid("YQ== 0\n", R"({"added_tokens_decoder": {"16000000": {"content": "[X]"}}})",
+                 "special token \"[X]\" has id 16000000, more than 65536 past the reserved ids "
+                 "(1 .. 256)");
   expect_invalid("YQ== 0\n", R"({"added_tokens_decoder": {"0": {"content": "[X]"}}})",
                  "a rank of tiktoken.model");
   expect_invalid("YQ== 0\n", R"({"added_tokens_decoder": {"x": {"content": "[X]"}}})",
