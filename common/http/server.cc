@@ -18,6 +18,8 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include "common/base/logging.h"
+
 namespace hmoe::http {
 
 namespace asio = boost::asio;
@@ -118,6 +120,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
         socket_(std::move(socket)),
         timer_(strand_) {
     ++shared_->open_connections;
+    beast::error_code ec;
+    const tcp::endpoint remote = socket_.remote_endpoint(ec);
+    if (!ec) peer_ = absl::StrCat(remote.address().to_string(), ":", remote.port());
   }
   ~Connection() { --shared_->open_connections; }
 
@@ -141,10 +146,21 @@ class Connection : public std::enable_shared_from_this<Connection> {
     asio::post(strand_, std::forward<Fn>(fn));
   }
 
-  // Strand only: queue bytes of the current response.
+  // Strand only: queue bytes of the current response. Past ServerOptions::max_queued_bytes
+  // unsent, the client is not reading: the connection is closed (its responder ClientGone()).
+  // One piece on an empty queue is always taken (a large complete response).
   void Queue(std::string bytes, uint64_t generation) {
     if (generation != generation_ || closed_) return;
     if (bytes.empty()) return;
+    if (!out_.empty() && queued_bytes_ + bytes.size() > server_->options.max_queued_bytes) {
+      HMOE_LOG(WARNING) << "HTTP client " << peer_
+                        << " is not reading its response: " << queued_bytes_ + bytes.size()
+                        << " bytes unsent, over the limit of " << server_->options.max_queued_bytes
+                        << "; closing the connection, which cancels its request";
+      CloseNow();
+      return;
+    }
+    queued_bytes_ += bytes.size();
     out_.push_back(std::move(bytes));
     if (!writing_) WriteNext();
   }
@@ -269,14 +285,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
             strand_, [self = shared_from_this(), generation = generation_](beast::error_code ec) {
               if (self->closed_ || generation != self->generation_ || self->response_done_) return;
               if (ec) {
-                if (ec != asio::error::operation_aborted) self->gone_.store(true);
+                if (ec != asio::error::operation_aborted) self->MarkGone();
                 return;
               }
               char byte;
               const ssize_t n =
                   ::recv(self->socket_.native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
               if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                self->gone_.store(true);
                 self->CloseNow();
               } else if (n < 0) {
                 self->WatchForClose();
@@ -295,10 +310,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
           self->writing_ = false;
           if (self->closed_) return;
           if (ec) {
-            self->gone_.store(true);
             self->CloseNow();
             return;
           }
+          self->queued_bytes_ -= self->out_.front().size();
           self->out_.pop_front();
           if (!self->out_.empty()) {
             self->WriteNext();
@@ -354,14 +369,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
     ResponseDone(generation_, false);
   }
 
+  // Strand only: the client is gone. The first time, while a response is in progress, tells
+  // ServerOptions::on_client_gone.
+  void MarkGone() {
+    if (gone_.exchange(true) || response_done_) return;
+    if (server_->options.on_client_gone) server_->options.on_client_gone();
+  }
+
   void CloseNow() {
     if (closed_) return;
     closed_ = true;
-    gone_.store(true);
+    MarkGone();
     timer_.cancel();
     beast::error_code ignored;
     socket_.close(ignored);
     out_.clear();
+    queued_bytes_ = 0;
   }
 
   // First member: outlives the socket and timer.
@@ -374,6 +397,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::deque<std::string> out_;
+  size_t queued_bytes_ = 0;  // in out_
+  std::string peer_ = "(unknown peer)";
   std::string continue_;
   std::string drain_;
   bool writing_ = false;

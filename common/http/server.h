@@ -3,8 +3,11 @@
 // A small HTTP/1.1 server on Boost.Beast/Asio (docs/api.md "HTTP"): Beast parses the requests,
 // responses are written as raw HTTP/1.1 (a complete body with Content-Length, or a chunked stream
 // for server-sent events). All socket work runs on a few I/O threads; each connection has its own
-// write queue, so a slow reader only ever delays itself. Handlers are called on an I/O thread and
-// must not block: a long request (a generation) answers from a thread of its own through the
+// write queue, so a slow reader only ever delays itself, and the queue is bounded
+// (ServerOptions::max_queued_bytes): a client that stops reading while its response keeps coming
+// has its connection closed once that many bytes wait unsent, which sets ClientGone() (so the work
+// behind it is cancelled) and logs a line naming the client. Handlers are called on an I/O thread
+// and must not block: a long request (a generation) answers from a thread of its own through the
 // Responder, which is thread-safe.
 //
 // Protocol errors never reach the handler; the server answers them itself with
@@ -64,6 +67,13 @@ struct ServerOptions {
   absl::Duration read_timeout = absl::Seconds(30);
   int max_connections = 1024;
   int io_threads = 2;
+  // Bytes of one connection's response that may wait unsent (beyond what the kernel's socket
+  // buffer holds); past it the connection is closed and its responder ClientGone().
+  size_t max_queued_bytes = 1 << 20;
+  // Called on an I/O thread, at once, when a client goes away while its response is in progress
+  // (closed, reset, a failed write, max_queued_bytes): the work behind it can stop now instead of
+  // at its next look at ClientGone(). Must not block.
+  std::function<void()> on_client_gone;
   // The body of the server's own error answers (status, message) and its content type.
   std::function<std::string(int status, absl::string_view message)> error_body =
       [](int, absl::string_view message) { return std::string(message) + "\n"; };
