@@ -438,7 +438,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Strand only: the client is gone. The first time, while a response is in progress, tells
   // ServerOptions::on_client_gone.
   void MarkGone() {
-    if (gone_.exchange(true) || response_done_) return;
+    gone_.store(true);
+    if (told_gone_ || response_done_) return;
+    told_gone_ = true;
     if (server_->options.on_client_gone) server_->options.on_client_gone();
   }
 
@@ -468,6 +470,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::string continue_;
   std::string drain_;
   bool timed_out_ = false;
+  // on_client_gone was called (strand only).
+  bool told_gone_ = false;
   // The response's bytes and the state that responders (any thread) and the strand share. Written
   // under out_mu_; the strand-only writers (closed_, generation_, response_done_) are also read on
   // the strand without it.
