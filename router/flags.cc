@@ -42,6 +42,9 @@ ABSL_FLAG(int, heartbeat_interval_ms, 0,
           "heartbeat period the router asks workers for; 0: a third of --heartbeat_timeout_ms "
           "(at most 1000); the timeout must be at least twice the period");
 ABSL_FLAG(int, heartbeat_timeout_ms, 3000, "a worker silent this long is dead");
+ABSL_FLAG(int, cancel_poll_ms, 20,
+          "how often the router checks whether gRPC clients cancelled (HTTP clients that leave "
+          "are acted on at once)");
 ABSL_FLAG(int, retry_wait_ms, 5000, "how long a retried request waits for a live decode worker");
 ABSL_FLAG(int, max_dispatch_attempts, 3,
           "dispatches of a request that has streamed no token yet (the first plus retries after a "
@@ -117,6 +120,8 @@ absl::Status ReadFlags(RouterFlags& f) {
         "--max_inflight and --max_request_bytes must be >= 1, --max_prefill_queue >= 0");
   }
   options.retry_wait = absl::Milliseconds(absl::GetFlag(FLAGS_retry_wait_ms));
+  if (absl::GetFlag(FLAGS_cancel_poll_ms) < 1) return FlagError("--cancel_poll_ms must be >= 1");
+  options.cancel_poll = absl::Milliseconds(absl::GetFlag(FLAGS_cancel_poll_ms));
   options.max_dispatch_attempts = absl::GetFlag(FLAGS_max_dispatch_attempts);
   options.dslp_failure_grace = absl::Milliseconds(absl::GetFlag(FLAGS_dslp_failure_grace_ms));
   if (options.max_dispatch_attempts < 1 || options.dslp_failure_grace < absl::ZeroDuration()) {

@@ -23,6 +23,9 @@ ABSL_FLAG(int, http_read_timeout_ms, 30000,
           "an HTTP request must arrive within this; also the keep-alive idle limit");
 ABSL_FLAG(int, http_max_connections, 1024, "open HTTP connections; 503 beyond");
 ABSL_FLAG(int, http_io_threads, 2, "threads doing the HTTP socket work");
+ABSL_FLAG(int64_t, http_max_queued_bytes, 1 << 20,
+          "bytes of one HTTP response that may wait unsent for a client that does not read; past "
+          "it the connection is closed and its request cancelled (docs/api.md)");
 ABSL_FLAG(std::string, http_port_file, "", "write the bound HTTP port here (tests)");
 
 namespace hmoe::router {
@@ -88,6 +91,12 @@ absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(
   so.read_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_http_read_timeout_ms));
   so.max_connections = absl::GetFlag(FLAGS_http_max_connections);
   so.io_threads = absl::GetFlag(FLAGS_http_io_threads);
+  if (absl::GetFlag(FLAGS_http_max_queued_bytes) < 1) {
+    return absl::InvalidArgumentError("--http_max_queued_bytes must be >= 1");
+  }
+  so.max_queued_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_http_max_queued_bytes));
+  // A client that leaves cancels its request now, not at the router's next cancellation poll.
+  so.on_client_gone = [router] { router->CheckCancellations(); };
   so.error_body = [](int status, absl::string_view message) { return ErrorBody(status, message); };
   so.error_content_type = "application/json";
   OpenAiApi* handler = api.get();

@@ -238,11 +238,17 @@ Router::~Router() {
   watcher_ = std::jthread();  // joins
 }
 
+void Router::CheckCancellations() {
+  absl::MutexLock lock(&mu_);
+  check_cancellations_ = true;
+}
+
 void Router::WatchCancellations() {
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.cancel_poll);
+    mu_.AwaitWithTimeout(absl::Condition(this, &Router::WatcherWakes), options_.cancel_poll);
     if (stopping_) break;
+    check_cancellations_ = false;
     bool any = false;
     for (auto& [id, inflight] : inflight_) {
       if (!inflight->sink->IsCancelled()) continue;

@@ -98,7 +98,8 @@ struct RouterOptions {
   // How long a retry waits for a live decode worker (bounded by the request's deadline); also a new
   // request while every decode worker the router knows is dead (being restarted).
   absl::Duration retry_wait = absl::Seconds(5);
-  // How often client cancellation is polled.
+  // How often client cancellation is polled (a sink that knows at once that its client left calls
+  // CheckCancellations instead of waiting for the poll).
   absl::Duration cancel_poll = absl::Milliseconds(20);
 };
 
@@ -141,6 +142,10 @@ class Router {
   // be served).
   bool Serving() const ABSL_LOCKS_EXCLUDED(mu_);
   int32_t inflight() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Wakes the cancellation watcher now: every request whose sink IsCancelled() has its worker
+  // calls broken without waiting for the next poll or token. Cheap; any thread (the HTTP server
+  // calls it from its I/O threads when a client goes away).
+  void CheckCancellations() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Inflight;
@@ -188,6 +193,9 @@ class Router {
   absl::Status Finish(Request& request, hmoe::v1::Finished finished);
   void CountWorker(const std::string& worker_id, int delta) ABSL_LOCKS_EXCLUDED(mu_);
   void WatchCancellations() ABSL_LOCKS_EXCLUDED(mu_);
+  bool WatcherWakes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || check_cancellations_;
+  }
 
   const RouterOptions options_;
   WorkerRegistry* const registry_;
@@ -209,6 +217,8 @@ class Router {
   int64_t requests_failed_ ABSL_GUARDED_BY(mu_) = 0;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // CheckCancellations was called since the watcher's last pass.
+  bool check_cancellations_ ABSL_GUARDED_BY(mu_) = false;
   // Last member: started after everything it reads, joined first.
   std::jthread watcher_;
 };

@@ -5,6 +5,8 @@
 //   hmoe health --addr ... [--service NAME] [--wait-s S]
 //   hmoe load --addr ... --duration-s 60 --concurrency 4 --log requests.tsv   (scripts/soak.sh)
 //   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
+//   hmoe http-bench --addr ... --http-addr 127.0.0.1:8000 --samples 200 --streams 64
+//       (scripts/http_bench.sh: TTFT over HTTP vs gRPC, concurrent SSE streams)
 // Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
 // tokenizer) to stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path)
 // on stderr. `health` works against any gRPC server with the standard health service (router,
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <iterator>
 #include <map>
@@ -29,19 +32,27 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
 #include <grpcpp/grpcpp.h>
 
 #include "common/base/flags.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "tools/deploy_config.h"
+
+#include <nlohmann/json.hpp>
 
 ABSL_FLAG(std::string, addr, "127.0.0.1:50051", "router address");
 ABSL_FLAG(std::string, prompt, "", "prompt text (needs a router started with --model)");
@@ -92,6 +103,11 @@ ABSL_FLAG(std::string, log, "", "load: append one tab-separated line per request
 ABSL_FLAG(double, burst_every_s, 30, "load: a burst every this many seconds (0: none)");
 ABSL_FLAG(int, burst_size, 100, "load: requests sent at once in a burst");
 ABSL_FLAG(int, long_tokens, 600, "load: long prompts have half to all of this many tokens");
+// http-bench
+ABSL_FLAG(std::string, http_addr, "127.0.0.1:8000", "http-bench: the router's HTTP address");
+ABSL_FLAG(int, samples, 200, "http-bench: sequential requests per protocol for the TTFT figures");
+ABSL_FLAG(int, streams, 64, "http-bench: concurrent SSE streams (0: skip)");
+ABSL_FLAG(int, stream_tokens, 32, "http-bench: max_tokens of each concurrent stream");
 ABSL_FLAG(int, cpus, 0,
           "deploy: CPU cores shared by two or more CPU prefill workers (0: this machine's)");
 
@@ -445,6 +461,273 @@ int Load(v1::Hmoe::Stub* stub) {
   return 0;
 }
 
+// --- hmoe http-bench: the OpenAI HTTP API against the gRPC API on the same router
+// (scripts/http_bench.sh, docs/PERFORMANCE.md "HTTP vs gRPC"). Both clients live here, so their
+// overheads are alike: one persistent connection each (a gRPC channel; HTTP/1.1 keep-alive through
+// Boost.Beast), the same random token-id prompts, requests one at a time, HTTP and gRPC
+// alternating (which goes first flips every pair, so drift and warm caches cancel). TTFT is the
+// time from sending the request to receiving the first token with text: the first SSE event of
+// /v1/completions (the router emits one only for non-empty text) and the first Token message with
+// non-empty text of Generate (detokenize on, as the HTTP API sets it); when no token has text
+// (the detokenizer holds an incomplete character to the end), the end of the stream in both. Then
+// --streams concurrent SSE streams, each on its own connection, all released at once; every one
+// must end with [DONE] after a finish reason.
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+using tcp = asio::ip::tcp;
+
+struct StreamResult {
+  std::string error;  // empty: the stream ended with a finish reason and [DONE]
+  double ttft_ms = -1;
+  int completion_tokens = 0;
+};
+
+class SseClient {
+ public:
+  absl::Status Connect(const std::string& host_port) {
+    const size_t colon = host_port.rfind(':');
+    if (colon == std::string::npos) {
+      return absl::InvalidArgumentError("--http-addr: expected HOST:PORT");
+    }
+    host_ = host_port;
+    beast::error_code ec;
+    tcp::resolver resolver(io_);
+    auto endpoints = resolver.resolve(host_port.substr(0, colon), host_port.substr(colon + 1), ec);
+    if (!ec) asio::connect(socket_, endpoints, ec);
+    if (!ec) socket_.set_option(tcp::no_delay(true), ec);
+    if (ec) {
+      return absl::UnavailableError(absl::StrCat("connect to ", host_port, ": ", ec.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  // POSTs `body` (a streaming request) to `path` and reads the event stream to its end.
+  StreamResult Stream(const std::string& path, const std::string& body) {
+    StreamResult result;
+    bhttp::request<bhttp::string_body> req{bhttp::verb::post, path, 11};
+    req.set(bhttp::field::host, host_);
+    req.set(bhttp::field::content_type, "application/json");
+    req.body() = body;
+    req.prepare_payload();
+    bhttp::response_parser<bhttp::string_body> parser;
+    parser.body_limit(64 << 20);
+    std::string pending;
+    bool finished = false, done = false;
+    absl::Time t0;
+    std::function<size_t(std::uint64_t, beast::string_view, beast::error_code&)> on_chunk =
+        [&](std::uint64_t, beast::string_view data, beast::error_code&) -> size_t {
+      const absl::Time now = absl::Now();
+      pending.append(data.data(), data.size());
+      for (size_t end; (end = pending.find("\n\n")) != std::string::npos;
+           pending.erase(0, end + 2)) {
+        const absl::string_view event = absl::string_view(pending).substr(0, end);
+        absl::string_view payload = event;
+        if (!absl::ConsumePrefix(&payload, "data: ")) continue;
+        if (payload == "[DONE]") {
+          done = true;
+          continue;
+        }
+        const nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
+        if (j.is_discarded() || j.contains("error")) {
+          result.error = std::string(payload);
+          continue;
+        }
+        if (j.contains("usage") && j["usage"].is_object()) {
+          result.completion_tokens = j["usage"].value("completion_tokens", 0);
+        }
+        if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) continue;
+        const nlohmann::json& choice = j["choices"][0];
+        // The first event: text, or the end when no token had text.
+        if (result.ttft_ms < 0) result.ttft_ms = absl::ToDoubleMilliseconds(now - t0);
+        if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) {
+          finished = true;
+        }
+      }
+      return data.size();
+    };
+    parser.on_chunk_body(on_chunk);
+    beast::error_code ec;
+    t0 = absl::Now();
+    bhttp::write(socket_, req, ec);
+    if (!ec) bhttp::read_header(socket_, buffer_, parser, ec);
+    while (!ec && !parser.is_done()) bhttp::read_some(socket_, buffer_, parser, ec);
+    if (ec) {
+      result.error = absl::StrCat("HTTP: ", ec.message());
+    } else if (parser.get().result_int() != 200) {
+      result.error = absl::StrCat("HTTP ", parser.get().result_int(), ": ", parser.get().body());
+    } else if (result.error.empty() && !(finished && done)) {
+      result.error = "the stream ended without a finish reason and [DONE]";
+    }
+    return result;
+  }
+
+ private:
+  asio::io_context io_;
+  tcp::socket socket_{io_};
+  beast::flat_buffer buffer_;
+  std::string host_;
+};
+
+std::string CompletionBody(const std::vector<int32_t>& ids, int max_tokens) {
+  return nlohmann::json{{"prompt", ids},    {"max_tokens", max_tokens},
+                        {"temperature", 0}, {"ignore_eos", true},
+                        {"stream", true},   {"stream_options", {{"include_usage", true}}}}
+      .dump();
+}
+
+// TTFT of one Generate call in ms (first Token with text), or an error.
+absl::StatusOr<double> GrpcTtft(v1::Hmoe::Stub* stub, const std::vector<int32_t>& ids,
+                                int max_tokens) {
+  v1::GenerateRequest req;
+  for (int32_t id : ids) req.mutable_prompt_token_ids()->add_ids(id);
+  req.set_max_new_tokens(max_tokens);
+  req.set_ignore_eos(true);
+  req.set_detokenize(true);
+  auto ctx = Context();
+  double ttft = -1;
+  const absl::Time t0 = absl::Now();
+  auto reader = stub->Generate(ctx.get(), req);
+  v1::GenerateResponse r;
+  while (reader->Read(&r)) {
+    // As the HTTP API's first event: a token with text, or the end when no token had any.
+    if (ttft < 0 && ((r.has_token() && !r.token().text().empty()) || r.has_finished())) {
+      ttft = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  if (!s.ok()) {
+    return absl::UnknownError(
+        absl::StrCat("generate: ", CodeName(s.error_code()), ": ", s.error_message()));
+  }
+  if (ttft < 0) return absl::UnknownError("generate: no token and no Finished message");
+  return ttft;
+}
+
+double Percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+int HttpBench(v1::Hmoe::Stub* stub) {
+  v1::ModelInfo info;
+  grpc::Status s = stub->GetModelInfo(Context().get(), {}, &info);
+  if (!s.ok()) return Fail("GetModelInfo", s);
+  if (!info.has_tokenizer()) {
+    std::cerr << "http-bench: the router has no tokenizer (start it with --model)\n";
+    return 2;
+  }
+  const std::string http_addr = absl::GetFlag(FLAGS_http_addr);
+  const int samples = absl::GetFlag(FLAGS_samples);
+  const int max_new = std::max(1, absl::GetFlag(FLAGS_max_new_tokens));
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  const int top = std::max(info.vocab_size() - 1, 11);
+  auto prompt = [&] {
+    std::vector<int32_t> ids(std::uniform_int_distribution<int>(8, 16)(rng));
+    for (int32_t& id : ids) id = std::uniform_int_distribution<int>(10, top)(rng);
+    return ids;
+  };
+  SseClient http;
+  if (absl::Status c = http.Connect(http_addr); !c.ok()) {
+    std::cerr << "http-bench: " << c.message() << "\n";
+    return 1;
+  }
+  std::vector<double> http_ms, grpc_ms, diff_ms;
+  // Two warm-up pairs (connections, first-request allocations), not counted.
+  for (int i = -2; i < samples; ++i) {
+    const std::vector<int32_t> ids = prompt();
+    double h = -1, g = -1;
+    for (int k = 0; k < 2; ++k) {
+      if ((k == 0) == (i % 2 == 0)) {
+        StreamResult r = http.Stream("/v1/completions", CompletionBody(ids, max_new));
+        if (!r.error.empty() || r.ttft_ms < 0) {
+          std::cerr << "http-bench: HTTP request " << i << ": " << r.error << "\n";
+          return 1;
+        }
+        h = r.ttft_ms;
+      } else {
+        absl::StatusOr<double> t = GrpcTtft(stub, ids, max_new);
+        if (!t.ok()) {
+          std::cerr << "http-bench: gRPC request " << i << ": " << t.status().message() << "\n";
+          return 1;
+        }
+        g = *t;
+      }
+    }
+    if (i < 0) continue;
+    http_ms.push_back(h);
+    grpc_ms.push_back(g);
+    diff_ms.push_back(h - g);
+  }
+  if (samples > 0) {
+    std::cout << absl::StrFormat(
+        "ttft over %d interleaved pairs (%d new tokens, prompts of 8-16 ids):\n"
+        "  http  p10 %.3f ms  p50 %.3f ms  p90 %.3f ms\n"
+        "  grpc  p10 %.3f ms  p50 %.3f ms  p90 %.3f ms\n"
+        "  http - grpc: p50 of the differences %.3f ms, difference of the p50s %.3f ms, "
+        "of the p10s %.3f ms\n",
+        samples, max_new, Percentile(http_ms, 0.1), Percentile(http_ms, 0.5),
+        Percentile(http_ms, 0.9), Percentile(grpc_ms, 0.1), Percentile(grpc_ms, 0.5),
+        Percentile(grpc_ms, 0.9), Percentile(diff_ms, 0.5),
+        Percentile(http_ms, 0.5) - Percentile(grpc_ms, 0.5),
+        Percentile(http_ms, 0.1) - Percentile(grpc_ms, 0.1));
+  }
+  const int streams = absl::GetFlag(FLAGS_streams);
+  if (streams <= 0) return 0;
+  const int stream_tokens = absl::GetFlag(FLAGS_stream_tokens);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < streams; ++i) prompts.push_back(prompt());
+  std::vector<StreamResult> results(streams);
+  std::vector<std::unique_ptr<SseClient>> clients;
+  for (int i = 0; i < streams; ++i) {
+    clients.push_back(std::make_unique<SseClient>());
+    if (absl::Status c = clients.back()->Connect(http_addr); !c.ok()) {
+      std::cerr << "http-bench: stream " << i << ": " << c.message() << "\n";
+      return 1;
+    }
+  }
+  absl::Mutex mu;
+  bool go = false;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < streams; ++i) {
+    threads.emplace_back([&, i] {
+      {
+        absl::MutexLock l(&mu);
+        mu.Await(absl::Condition(&go));
+      }
+      results[i] = clients[i]->Stream("/v1/completions", CompletionBody(prompts[i], stream_tokens));
+    });
+  }
+  const absl::Time t0 = absl::Now();
+  {
+    absl::MutexLock l(&mu);
+    go = true;
+  }
+  for (std::thread& t : threads) t.join();
+  const double wall_s = absl::ToDoubleSeconds(absl::Now() - t0);
+  int completed = 0, tokens = 0;
+  std::vector<double> ttfts;
+  for (int i = 0; i < streams; ++i) {
+    if (results[i].error.empty()) {
+      ++completed;
+      tokens += results[i].completion_tokens;
+      ttfts.push_back(results[i].ttft_ms);
+    } else {
+      std::cerr << "stream " << i << ": " << results[i].error << "\n";
+    }
+  }
+  std::cout << absl::StrFormat(
+      "%d concurrent SSE streams (max_tokens %d): %d completed, %d errors, %d tokens in %.2f s "
+      "(%.1f tokens/s)",
+      streams, stream_tokens, completed, streams - completed, tokens, wall_s, tokens / wall_s);
+  if (!ttfts.empty()) {
+    std::cout << absl::StrFormat(", TTFT p50 %.1f ms max %.1f ms", Percentile(ttfts, 0.5),
+                                 Percentile(ttfts, 1.0));
+  }
+  std::cout << "\n";
+  return completed == streams ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -460,12 +743,14 @@ int main(int argc, char** argv) {
     fixed.push_back(a.data());
   }
   hmoe::SetUsage(
-      "hmoe generate|status|health|load --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
+      "hmoe generate|status|health|load|http-bench --addr HOST:PORT [--prompt TEXT | --prompt-ids "
+      "1,2,3] "
       "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
       "[--prefill-workers N]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
-    std::cerr << "usage: hmoe generate|status|health|load|deploy [flags] (--help for flags)\n";
+    std::cerr
+        << "usage: hmoe generate|status|health|load|http-bench|deploy [flags] (--help for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
@@ -476,6 +761,8 @@ int main(int argc, char** argv) {
   if (command == "status") return Status(stub.get());
   if (command == "health") return Health(channel);
   if (command == "load") return Load(stub.get());
-  std::cerr << "unknown command " << command << "; use generate, status, health, load or deploy\n";
+  if (command == "http-bench") return HttpBench(stub.get());
+  std::cerr << "unknown command " << command
+            << "; use generate, status, health, load, http-bench or deploy\n";
   return 2;
 }

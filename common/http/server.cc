@@ -18,6 +18,8 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include "common/base/logging.h"
+
 namespace hmoe::http {
 
 namespace asio = boost::asio;
@@ -118,6 +120,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
         socket_(std::move(socket)),
         timer_(strand_) {
     ++shared_->open_connections;
+    beast::error_code ec;
+    const tcp::endpoint remote = socket_.remote_endpoint(ec);
+    if (!ec) peer_ = absl::StrCat(remote.address().to_string(), ":", remote.port());
   }
   ~Connection() { --shared_->open_connections; }
 
@@ -133,30 +138,88 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   bool gone() const { return gone_.load(); }
 
-  // Runs `fn` on the connection's strand unless the server stopped. From any thread.
-  template <typename Fn>
-  void Post(Fn&& fn) {
-    absl::MutexLock lock(&shared_->mu);
-    if (shared_->stopped) return;
-    asio::post(strand_, std::forward<Fn>(fn));
-  }
-
-  // Strand only: queue bytes of the current response.
-  void Queue(std::string bytes, uint64_t generation) {
-    if (generation != generation_ || closed_) return;
-    if (bytes.empty()) return;
-    out_.push_back(std::move(bytes));
-    if (!writing_) WriteNext();
-  }
-  // Strand only: the current response is complete.
-  void ResponseDone(uint64_t generation, bool keep_alive) {
-    if (generation != generation_ || closed_) return;
-    response_done_ = true;
-    keep_alive_ = keep_alive_ && keep_alive;
-    if (!writing_) AfterWrites();
+  // Any thread: bytes of response `generation`; `last`: the response is complete (and the
+  // connection stays open when `keep_alive` and the request allowed it). The caller's thread
+  // hands the bytes to the kernel itself when nothing is queued before them (no hop to an I/O
+  // thread: a streamed token reaches the socket from the generation thread); what the kernel does
+  // not take is queued for the I/O threads. Past ServerOptions::max_queued_bytes unsent, the client
+  // is not reading: the connection is closed (its responder ClientGone()). One piece on an empty
+  // queue is always taken (a large complete response).
+  void Enqueue(std::string bytes, uint64_t generation, bool last, bool keep_alive) {
+    {
+      absl::MutexLock lock(&shared_->mu);
+      if (shared_->stopped) return;
+    }
+    bool start_writing = false, close = false;
+    {
+      absl::MutexLock lock(&out_mu_);
+      if (generation != generation_ || response_done_ || closed_ || closing_) return;
+      if (!bytes.empty() && !writing_ && out_.empty()) {
+        size_t sent = 0;
+        while (sent < bytes.size()) {
+          const ssize_t n = ::send(socket_.native_handle(), bytes.data() + sent,
+                                   bytes.size() - sent, MSG_DONTWAIT | MSG_NOSIGNAL);
+          if (n > 0) {
+            sent += static_cast<size_t>(n);
+          } else if (n < 0 && errno == EINTR) {
+            continue;
+          } else {
+            if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) close = true;
+            break;
+          }
+        }
+        if (!close && sent < bytes.size()) {
+          bytes.erase(0, sent);
+          queued_bytes_ += bytes.size();
+          out_.push_back(std::move(bytes));
+          writing_ = true;
+          start_writing = true;
+        }
+      } else if (!bytes.empty()) {
+        if (!out_.empty() && queued_bytes_ + bytes.size() > server_->options.max_queued_bytes) {
+          HMOE_LOG(WARNING) << "HTTP client " << peer_
+                            << " is not reading its response: " << queued_bytes_ + bytes.size()
+                            << " bytes unsent, over the limit of "
+                            << server_->options.max_queued_bytes
+                            << "; closing the connection, which cancels its request";
+          close = true;
+        } else {
+          queued_bytes_ += bytes.size();
+          out_.push_back(std::move(bytes));
+        }
+      }
+      if (close) {
+        // No more writes; the strand closes the socket (and tells on_client_gone).
+        closing_ = true;
+        gone_.store(true);
+      }
+    }
+    if (close) {
+      asio::post(strand_, [self = shared_from_this()] { self->CloseNow(); });
+      return;
+    }
+    if (start_writing) asio::post(strand_, [self = shared_from_this()] { self->WriteNext(); });
+    if (last) {
+      asio::post(strand_, [self = shared_from_this(), generation, keep_alive] {
+        self->ResponseDone(generation, keep_alive);
+      });
+    }
   }
 
  private:
+  // Strand only: the current response is complete.
+  void ResponseDone(uint64_t generation, bool keep_alive) {
+    bool idle;
+    {
+      absl::MutexLock lock(&out_mu_);
+      if (generation != generation_ || closed_) return;
+      response_done_ = true;
+      keep_alive_ = keep_alive_ && keep_alive;
+      idle = !writing_;
+    }
+    if (idle) AfterWrites();
+  }
+
   void ReadRequest() {
     if (closed_) return;
     parser_.emplace();
@@ -252,9 +315,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
       request.headers.emplace_back(absl::AsciiStrToLower(std::string(field.name_string())),
                                    std::string(field.value()));
     }
-    ++generation_;
-    response_done_ = false;
-    keep_alive_ = msg.keep_alive();
+    {
+      absl::MutexLock lock(&out_mu_);
+      ++generation_;
+      response_done_ = false;
+      keep_alive_ = msg.keep_alive();
+    }
     WatchForClose();
     server_->handler(std::move(request), MakeResponder());
   }
@@ -269,14 +335,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
             strand_, [self = shared_from_this(), generation = generation_](beast::error_code ec) {
               if (self->closed_ || generation != self->generation_ || self->response_done_) return;
               if (ec) {
-                if (ec != asio::error::operation_aborted) self->gone_.store(true);
+                if (ec != asio::error::operation_aborted) self->MarkGone();
                 return;
               }
               char byte;
               const ssize_t n =
                   ::recv(self->socket_.native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
               if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                self->gone_.store(true);
                 self->CloseNow();
               } else if (n < 0) {
                 self->WatchForClose();
@@ -287,22 +352,35 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   std::shared_ptr<Responder> MakeResponder();
 
+  // Strand only, with writing_ set and out_ not empty: writes out_ to the socket.
   void WriteNext() {
-    writing_ = true;
+    asio::const_buffer front;
+    {
+      absl::MutexLock lock(&out_mu_);
+      if (closed_ || out_.empty()) return;
+      // std::deque keeps its elements in place while others are appended.
+      front = asio::buffer(out_.front());
+    }
     asio::async_write(
-        socket_, asio::buffer(out_.front()),
+        socket_, front,
         asio::bind_executor(strand_, [self = shared_from_this()](beast::error_code ec, size_t) {
-          self->writing_ = false;
           if (self->closed_) return;
           if (ec) {
-            self->gone_.store(true);
             self->CloseNow();
             return;
           }
-          self->out_.pop_front();
-          if (!self->out_.empty()) {
+          bool more, done;
+          {
+            absl::MutexLock lock(&self->out_mu_);
+            self->queued_bytes_ -= self->out_.front().size();
+            self->out_.pop_front();
+            more = !self->out_.empty();
+            self->writing_ = more;
+            done = self->response_done_;
+          }
+          if (more) {
             self->WriteNext();
-          } else if (self->response_done_) {
+          } else if (done) {
             self->AfterWrites();
           }
         }));
@@ -344,24 +422,39 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void ErrorAndClose(int status, absl::string_view message) {
-    ++generation_;
-    keep_alive_ = false;
-    response_done_ = false;
+    uint64_t generation;
+    {
+      absl::MutexLock lock(&out_mu_);
+      generation = ++generation_;
+      keep_alive_ = false;
+      response_done_ = false;
+    }
     std::string body = server_->options.error_body(status, message);
     std::string head = Head(status, server_->options.error_content_type,
                             absl::StrCat("Content-Length: ", body.size(), "\r\n"), false);
-    Queue(head + body, generation_);
-    ResponseDone(generation_, false);
+    Enqueue(head + body, generation, /*last=*/true, /*keep_alive=*/false);
+  }
+
+  // Strand only: the client is gone. The first time, while a response is in progress, tells
+  // ServerOptions::on_client_gone.
+  void MarkGone() {
+    gone_.store(true);
+    if (told_gone_ || response_done_) return;
+    told_gone_ = true;
+    if (server_->options.on_client_gone) server_->options.on_client_gone();
   }
 
   void CloseNow() {
     if (closed_) return;
-    closed_ = true;
-    gone_.store(true);
+    MarkGone();
     timer_.cancel();
+    // Under out_mu_: no other thread is inside a send() on the descriptor being closed.
+    absl::MutexLock lock(&out_mu_);
+    closed_ = true;
     beast::error_code ignored;
     socket_.close(ignored);
     out_.clear();
+    queued_bytes_ = 0;
   }
 
   // First member: outlives the socket and timer.
@@ -373,12 +466,23 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer timer_;
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
-  std::deque<std::string> out_;
+  std::string peer_ = "(unknown peer)";
   std::string continue_;
   std::string drain_;
-  bool writing_ = false;
-  bool closed_ = false;
   bool timed_out_ = false;
+  // on_client_gone was called (strand only).
+  bool told_gone_ = false;
+  // The response's bytes and the state that responders (any thread) and the strand share. Written
+  // under out_mu_; the strand-only writers (closed_, generation_, response_done_) are also read on
+  // the strand without it.
+  absl::Mutex out_mu_;
+  std::deque<std::string> out_;
+  size_t queued_bytes_ = 0;  // in out_
+  // An async_write of out_.front() is in progress (or about to start).
+  bool writing_ = false;
+  // The client is given up (a failed send, a full queue): the strand closes the socket.
+  bool closing_ = false;
+  bool closed_ = false;
   bool response_done_ = true;
   bool keep_alive_ = true;
   // Counts requests: a responder writes only into its own request's response.
@@ -398,36 +502,26 @@ class ConnectionResponder : public Responder {
     std::string bytes =
         Head(status, content_type, absl::StrCat("Content-Length: ", body.size(), "\r\n"), true) +
         body;
-    connection_->Post([c = connection_, g = generation_, bytes = std::move(bytes)]() mutable {
-      c->Queue(std::move(bytes), g);
-      c->ResponseDone(g, true);
-    });
+    connection_->Enqueue(std::move(bytes), generation_, /*last=*/true, /*keep_alive=*/true);
   }
 
   void StartStream(int status, absl::string_view content_type) override {
     std::string head = Head(status, content_type,
                             "Transfer-Encoding: chunked\r\nCache-Control: no-cache\r\n", true);
-    connection_->Post([c = connection_, g = generation_, head = std::move(head)]() mutable {
-      c->Queue(std::move(head), g);
-    });
+    connection_->Enqueue(std::move(head), generation_, /*last=*/false, /*keep_alive=*/true);
   }
 
   bool Write(std::string data) override {
     if (connection_->gone()) return false;
     if (data.empty()) return true;
     std::string chunk = absl::StrCat(absl::Hex(data.size()), "\r\n", data, "\r\n");
-    connection_->Post([c = connection_, g = generation_, chunk = std::move(chunk)]() mutable {
-      c->Queue(std::move(chunk), g);
-    });
+    connection_->Enqueue(std::move(chunk), generation_, /*last=*/false, /*keep_alive=*/true);
     return true;
   }
 
   void End() override {
     if (Finish()) return;
-    connection_->Post([c = connection_, g = generation_] {
-      c->Queue("0\r\n\r\n", g);
-      c->ResponseDone(g, true);
-    });
+    connection_->Enqueue("0\r\n\r\n", generation_, /*last=*/true, /*keep_alive=*/true);
   }
 
   bool ClientGone() const override { return connection_->gone(); }

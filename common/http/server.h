@@ -2,9 +2,15 @@
 
 // A small HTTP/1.1 server on Boost.Beast/Asio (docs/api.md "HTTP"): Beast parses the requests,
 // responses are written as raw HTTP/1.1 (a complete body with Content-Length, or a chunked stream
-// for server-sent events). All socket work runs on a few I/O threads; each connection has its own
-// write queue, so a slow reader only ever delays itself. Handlers are called on an I/O thread and
-// must not block: a long request (a generation) answers from a thread of its own through the
+// for server-sent events). Reading and queued writes run on a few I/O threads; a Responder call
+// hands its bytes to the kernel from the caller's thread when nothing is queued before them (a
+// non-blocking send: no thread hop per streamed token), and queues what the kernel does not take.
+// Each connection has its own write queue, so a slow reader only ever delays itself, and the
+// queue is bounded
+// (ServerOptions::max_queued_bytes): a client that stops reading while its response keeps coming
+// has its connection closed once that many bytes wait unsent, which sets ClientGone() (so the work
+// behind it is cancelled) and logs a line naming the client. Handlers are called on an I/O thread
+// and must not block: a long request (a generation) answers from a thread of its own through the
 // Responder, which is thread-safe.
 //
 // Protocol errors never reach the handler; the server answers them itself with
@@ -14,8 +20,8 @@
 // between requests ends). Beyond max_connections a new connection gets 503 and is closed.
 //
 // While a response is in progress the server watches the connection: a client that closes it
-// (EOF or reset) sets Responder::ClientGone() at once, so the work behind the response can be
-// cancelled.
+// (EOF or reset) sets Responder::ClientGone() at once and calls ServerOptions::on_client_gone, so
+// the work behind the response can be cancelled without polling.
 
 #include <cstddef>
 #include <functional>
@@ -64,6 +70,13 @@ struct ServerOptions {
   absl::Duration read_timeout = absl::Seconds(30);
   int max_connections = 1024;
   int io_threads = 2;
+  // Bytes of one connection's response that may wait unsent (beyond what the kernel's socket
+  // buffer holds); past it the connection is closed and its responder ClientGone().
+  size_t max_queued_bytes = 1 << 20;
+  // Called on an I/O thread, at once, when a client goes away while its response is in progress
+  // (closed, reset, a failed write, max_queued_bytes): the work behind it can stop now instead of
+  // at its next look at ClientGone(). Must not block.
+  std::function<void()> on_client_gone;
   // The body of the server's own error answers (status, message) and its content type.
   std::function<std::string(int status, absl::string_view message)> error_body =
       [](int, absl::string_view message) { return std::string(message) + "\n"; };

@@ -1,9 +1,11 @@
 // common/http/server.h in-process: responses complete and streamed, keep-alive and pipelining,
-// the server's own protocol errors, disconnect detection while a response is pending, and a
-// responder that outlives Stop().
+// the server's own protocol errors, disconnect detection while a response is pending (and the
+// on_client_gone call), the bound on a client that does not read, and a responder that outlives
+// Stop().
 
 #include "common/http/server.h"
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -26,6 +28,10 @@ using ::hmoe::testing::HttpResponse;
 class ServerTest : public ::testing::Test {
  protected:
   void Start(ServerOptions options = {}) {
+    // Once per connection that goes away mid-response; a test may see several.
+    options.on_client_gone = [this] {
+      if (clients_gone_.fetch_add(1) == 0) client_gone_.Notify();
+    };
     absl::StatusOr<std::unique_ptr<Server>> s = Server::Start(
         "127.0.0.1:0", std::move(options),
         [this](Request request, std::shared_ptr<Responder> responder) {
@@ -57,6 +63,8 @@ class ServerTest : public ::testing::Test {
   absl::Mutex mu_;
   std::shared_ptr<Responder> held_ ABSL_GUARDED_BY(mu_);
   absl::Notification held_ready_;
+  absl::Notification client_gone_;  // ServerOptions::on_client_gone was called
+  std::atomic<int> clients_gone_{0};
 };
 
 TEST_F(ServerTest, CompleteAndStreamedResponsesKeepAliveAndPipelining) {
@@ -140,8 +148,8 @@ TEST_F(ServerTest, ClientClosingDuringAResponseIsSeen) {
   r->StartStream(200, "text/event-stream");
   EXPECT_TRUE(r->Write("data: 1\n\n"));
   c.reset();  // the client goes away
-  // Seen at once by the server's watch (bounded wait, no timing asserted).
-  for (int i = 0; i < 3000 && !r->ClientGone(); ++i) absl::SleepFor(absl::Milliseconds(1));
+  // Seen at once by the server's watch, which calls on_client_gone.
+  ASSERT_TRUE(client_gone_.WaitForNotificationWithTimeout(absl::Seconds(30)));
   EXPECT_TRUE(r->ClientGone());
   EXPECT_FALSE(r->Write("data: 2\n\n"));
   r->End();
@@ -149,6 +157,44 @@ TEST_F(ServerTest, ClientClosingDuringAResponseIsSeen) {
   HttpConnection d(server_->port());
   ASSERT_TRUE(d.SendRequest("GET", "/x", ""));
   EXPECT_EQ(d.ReadResponse().status, 200);
+}
+
+TEST_F(ServerTest, AClientThatDoesNotReadIsCutOffAtTheQueueBound) {
+  ServerOptions o;
+  o.max_queued_bytes = 64 << 10;
+  Start(o);
+  // A 4 KiB receive window, never read.
+  HttpConnection stuck(server_->port(), 60, 4096);
+  ASSERT_TRUE(stuck.SendRequest("GET", "/hold", ""));
+  std::shared_ptr<Responder> r = Held();
+  r->StartStream(200, "text/event-stream");
+  const std::string event = "data: " + std::string(1024, 'x') + "\n\n";
+  // Writes never block; they fail once the kernel's buffers and 64 KiB of queue are full (the
+  // kernel takes at most a few MiB on loopback: 100,000 events are far beyond).
+  int written = 0;
+  while (written < 100000 && r->Write(event)) ++written;
+  EXPECT_LT(written, 100000);
+  EXPECT_GT(written, 64);  // the queue's bound at least, not an early failure
+  EXPECT_TRUE(r->ClientGone());
+  ASSERT_TRUE(client_gone_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  r->End();
+  // Another client is served meanwhile and after.
+  HttpConnection d(server_->port());
+  ASSERT_TRUE(d.SendRequest("GET", "/x", ""));
+  EXPECT_EQ(d.ReadResponse().status, 200);
+  // The stuck client gets what the kernel held, then the end of the connection, never the last
+  // chunk.
+  HttpResponse head;
+  ASSERT_TRUE(stuck.ReadHead(&head));
+  EXPECT_EQ(head.status, 200);
+  bool end = false;
+  int64_t bytes = 0;
+  std::string last;
+  while (!end) {
+    last = stuck.ReadChunk(&end);
+    bytes += static_cast<int64_t>(last.size());
+  }
+  EXPECT_LT(bytes, static_cast<int64_t>(written) * static_cast<int64_t>(event.size()));
 }
 
 TEST_F(ServerTest, ResponderOutlivingStopDropsItsWrites) {

@@ -41,8 +41,13 @@ struct HttpResponse {
 
 class HttpConnection {
  public:
-  explicit HttpConnection(int port, int timeout_s = 60) {
+  // `receive_buffer` > 0: SO_RCVBUF before connecting (a small window: a client that does not
+  // read stops the server's writes soon).
+  explicit HttpConnection(int port, int timeout_s = 60, int receive_buffer = 0) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (receive_buffer > 0) {
+      ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
+    }
     timeval tv{timeout_s, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -49,6 +50,7 @@ namespace rv1 = hmoe::registry::v1;
 
 constexpr char kRouter[] = HMOE_ROUTER_PATH;
 constexpr int32_t kHangingMaxTokens = 777;
+constexpr int32_t kEndlessMaxTokens = 779;
 
 class FakeDecodeService final : public dv1::DecodeService::Service {
  public:
@@ -66,6 +68,19 @@ class FakeDecodeService final : public dv1::DecodeService::Service {
       cancelled_.Notify();
       return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
     }
+    if (request->max_new_tokens() == kEndlessMaxTokens) {
+      // Tokens (each one decode step) for as long as the router keeps the call.
+      int64_t i = 0;
+      for (; !context->IsCancelled(); ++i) {
+        r.mutable_token()->set_token_id(request->prompt_token_ids(0));
+        r.mutable_token()->set_index(static_cast<int32_t>(i));
+        if (!writer->Write(r)) break;
+        if (i == 0) endless_started_.Notify();
+      }
+      endless_tokens_ = i;
+      endless_cancelled_.Notify();
+      return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
+    }
     const int n = std::min(request->prompt_token_ids_size(), request->max_new_tokens());
     for (int i = 0; i < n; ++i) {
       r.mutable_token()->set_token_id(request->prompt_token_ids(i));
@@ -81,6 +96,8 @@ class FakeDecodeService final : public dv1::DecodeService::Service {
   }
 
   absl::Notification hanging_, cancelled_;
+  absl::Notification endless_started_, endless_cancelled_;
+  std::atomic<int64_t> endless_tokens_{0};
 };
 
 struct Shared {
@@ -458,8 +475,14 @@ TEST_F(RouterHttpTest, BadInputGetsOpenAiErrorsAndTheServerServesOn) {
   EXPECT_EQ(HttpCall(port, "GET", "/health").status, 200);
 }
 
+// "Within one decode step" (issue 17 acceptance 4): the fake worker streams 2 tokens and then
+// makes no further decode step until it is cancelled, and the router's cancellation poll is set to
+// 10 minutes: the worker call can only be broken by the HTTP server telling the router that the
+// client left (ServerOptions::on_client_gone -> Router::CheckCancellations), i.e. with zero decode
+// steps between the disconnect and the freed slot. Were cancellation deferred to the next token or
+// the poll, the worker would never see it and the test would fail at its 30 s wait.
 TEST_F(RouterHttpTest, DroppingAStreamCancelsItsRequestAtOnce) {
-  const int port = StartRouter();
+  const int port = StartRouter({"--cancel_poll_ms=600000"});
   ASSERT_GT(port, 0);
   RegisterWorker();
   HttpConnection c(port);
@@ -489,6 +512,62 @@ TEST_F(RouterHttpTest, DroppingAStreamCancelsItsRequestAtOnce) {
   }
   EXPECT_EQ(inflight, 0);
   EXPECT_EQ(GetStatus().requests_failed(), 0);
+  // And serves on.
+  EXPECT_EQ(HttpCall(port, "POST", "/v1/chat/completions", kChat).status, 200);
+}
+
+// A client that opens a stream and never reads (a 4 KiB receive buffer) while its worker produces
+// tokens without end: the other streams complete meanwhile, and once --http_max_queued_bytes wait
+// unsent for it the router closes its connection and cancels its request (a log line names it),
+// freeing the slot.
+TEST_F(RouterHttpTest, ASlowReaderIsCancelledAndNeverBlocksOtherStreams) {
+  const int port = StartRouter({"--http_max_queued_bytes=65536"});
+  ASSERT_GT(port, 0);
+  RegisterWorker();
+  HttpConnection stuck(port, 60, 4096);
+  ASSERT_TRUE(stuck.ok());
+  ASSERT_TRUE(stuck.SendRequest(
+      "POST", "/v1/completions",
+      absl::StrCat(R"({"prompt":[5,6,7],"stream":true,"max_tokens":)", kEndlessMaxTokens, "}")));
+  ASSERT_TRUE(fake_.endless_started_.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  // Four other streams, concurrently, each complete with its finish reason and [DONE].
+  std::vector<HttpResponse> others(4);
+  std::vector<std::thread> threads;
+  for (HttpResponse& r : others) {
+    threads.emplace_back([&r, port] {
+      r = HttpCall(port, "POST", "/v1/completions",
+                   R"({"prompt":[5,6,7,8],"stream":true,"max_tokens":4})");
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const HttpResponse& r : others) {
+    ASSERT_EQ(r.status, 200) << r.body;
+    const std::vector<std::string> events = SseData(r.body);
+    ASSERT_GE(events.size(), 2u) << r.body;
+    EXPECT_EQ(events.back(), "[DONE]");
+    EXPECT_TRUE(absl::StrContains(r.body, R"("finish_reason":"stop")") ||
+                absl::StrContains(r.body, R"("finish_reason":"length")"))
+        << r.body;
+  }
+  // The stuck stream is cut off and its worker call cancelled.
+  ASSERT_TRUE(fake_.endless_cancelled_.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_GT(fake_.endless_tokens_.load(), 65536 / 200);  // the limit was reached, not less
+  int inflight = -1;
+  for (int i = 0; i < 500 && inflight != 0; ++i) {
+    inflight = GetStatus().inflight();
+    if (inflight != 0) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(inflight, 0);
+  EXPECT_TRUE(absl::StrContains(router_->ReadStderr(), "is not reading its response"))
+      << router_->ReadStderr();
+  // The stuck client finds its stream ended without [DONE] (what it had buffered, then EOF/reset).
+  std::string received;
+  HttpResponse head;
+  if (stuck.ReadHead(&head)) {
+    bool end = false;
+    while (!end) received += stuck.ReadChunk(&end);
+  }
+  EXPECT_FALSE(absl::StrContains(received, "[DONE]"));
   // And serves on.
   EXPECT_EQ(HttpCall(port, "POST", "/v1/chat/completions", kChat).status, 200);
 }
