@@ -221,7 +221,8 @@ class ScalarQuantGemv final : public QuantGemv {
 
 bool CpuHasAvx512Vnni() {
   __builtin_cpu_init();
-  return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512vnni");
+  return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("gfni");
 }
 
 }  // namespace

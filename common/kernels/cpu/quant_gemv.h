@@ -26,9 +26,8 @@
 //
 // Variants (one interface, chosen at run time by BestCpuIsa()): a scalar reference; AVX2
 // (vpmaddubsw + vpmaddwd, the sub-block scale applied in the 16-bit multiply-add; for Zen 3 and
-// other CPUs without AVX-512) and AVX-512 (AVX-512 BW + VNNI: vpmaddubsw + vpdpwssd). The SIMD
-// variants run Q4_K, Q5_K and Q6_K (and Q8_0 / Q5_0, see the .cc files) with SIMD code; a type a
-// variant has no SIMD code for goes through the scalar code, so every variant takes every type.
+// other CPUs without AVX-512) and AVX-512 (AVX-512 BW + VNNI + GFNI: GF2P8AFFINEQB unpacks the
+// quants, vpmaddubsw + vpdpwssd; vpdpbusd for Q8_0). Every variant takes every supported type.
 // Kernels never start threads: callers split the rows [0, rows) into ranges and call MatVec on
 // each range from their own threads.
 //
@@ -124,10 +123,11 @@ class QuantGemv {
 };
 
 // The variant for `isa`: kScalar, kAvx2, or (kAvx512 and kAvx512Bf16 alike) the AVX-512 VNNI
-// variant. Unavailable when this CPU does not support it (AVX-512 also needs AVX512_VNNI).
+// variant. Unavailable when this CPU does not support it (AVX-512 also needs AVX512_VNNI and
+// GFNI).
 absl::StatusOr<std::unique_ptr<QuantGemv>> NewQuantGemv(CpuIsa isa);
 // The variant for BestCpuIsa() (AVX2 where BestCpuIsa() is an AVX-512 level this CPU runs
-// without VNNI). Never null; the instance lives forever.
+// without VNNI or GFNI). Never null; the instance lives forever.
 const QuantGemv& DefaultQuantGemv();
 
 }  // namespace hmoe::cpu

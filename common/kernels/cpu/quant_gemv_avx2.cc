@@ -8,7 +8,7 @@
 // added per block in int32. The offsets go through Q8_K's bsums: Q4_K/Q5_K's mins as
 // vpmaddwd(mins, bsums) scaled by dmin, Q6_K's -32 as 32 * vpmaddwd(scales, bsums) subtracted in
 // int32. Each block ends with one F32 multiply-add of d_w * d_x into 8 lanes per token; the lanes
-// are added once per row. Q8_0 and Q5_0 go through the scalar code (quant_gemv.cc).
+// are added once per row. Q8_0 and Q5_0: quant_gemv_q8_0_impl.h.
 //
 // The quants of a block are unpacked once and used for every token of the call; the loops over
 // tokens are unrolled for each count (template) so the accumulators stay in registers.
@@ -60,18 +60,20 @@ HMOE_QAVX2_INLINE void Prefetch(const uint8_t* p) {
 
 // The 6-bit scales and mins of a Q4_K / Q5_K block (MODEL-SPEC 5.4) as 16 bytes: sc[0..7],
 // m[0..7]. Bytes 0-3 hold sc0-3 and the top bits of sc4-7, bytes 4-7 m0-3 and the top bits of
-// m4-7, bytes 8-11 the low nibbles of sc4-7 (low) and m4-7 (high).
+// m4-7, bytes 8-11 the low nibbles of sc4-7 (low) and m4-7 (high). Computed in 64-bit general
+// registers as sc0-3, m0-3, sc4-7, m4-7 (the empty asm keeps GCC from moving it into vector
+// instructions, which compete with the dot products), then reordered by one vpshufb.
 HMOE_QAVX2_INLINE __m128i ScalesMinsK4(const uint8_t* s) {
-  uint32_t u0, u1, u2;
-  std::memcpy(&u0, s, 4);
-  std::memcpy(&u1, s + 4, 4);
+  uint64_t u01;
+  uint32_t u2;
+  std::memcpy(&u01, s, 8);
   std::memcpy(&u2, s + 8, 4);
-  const uint32_t sc_lo = u0 & 0x3f3f3f3fu;
-  const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
-  const uint32_t m_lo = u1 & 0x3f3f3f3fu;
-  const uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
-  return _mm_set_epi32(static_cast<int>(m_hi), static_cast<int>(m_lo), static_cast<int>(sc_hi),
-                       static_cast<int>(sc_lo));
+  uint64_t lo = u01 & 0x3f3f3f3f3f3f3f3fULL;
+  uint64_t hi = ((uint64_t{u2} | (uint64_t{u2 >> 4} << 32)) & 0x0f0f0f0f0f0f0f0fULL) |
+                (((u01 >> 6) & 0x0303030303030303ULL) << 4);
+  asm("" : "+r"(lo), "+r"(hi));
+  return _mm_shuffle_epi8(_mm_set_epi64x(static_cast<int64_t>(hi), static_cast<int64_t>(lo)),
+                          _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
 }
 
 // Q4_K (kHighBits = false) and Q5_K (true): 32 quants of sub-block j per ymm.
@@ -199,6 +201,10 @@ void RowsQ6K(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int6
   }
 }
 
+#define HMOE_QIMPL_INLINE HMOE_QAVX2_INLINE
+#define HMOE_QIMPL_VNNI 0
+#include "common/kernels/cpu/quant_gemv_q8_0_impl.h"
+
 using RowsFn = void (*)(const QuantMatrixView&, const BlockQ8K*, int64_t, int64_t, int64_t, float*,
                         int64_t);
 
@@ -211,6 +217,10 @@ RowsFn RowsFor(uint32_t type) {
       return RowsK4<N, true>;
     case kGgmlQ6_K:
       return RowsQ6K<N>;
+    case kGgmlQ8_0:
+      return RowsQ8_0<N>;
+    case kGgmlQ5_0:
+      return RowsQ5_0<N>;
     default:
       return nullptr;
   }
