@@ -1,0 +1,27 @@
+#pragma once
+
+// Factories of the ISA-specific variants of QuantGemv, and the scalar code they fall back to for
+// types without SIMD code. Each variant lives in a source file compiled with its own ISA flags
+// (see CMakeLists.txt), so only the dispatcher in quant_gemv.cc may call the factories, and only
+// after checking the CPU. They return an owning raw pointer on purpose (see fp8_gemv_internal.h).
+
+#include <cstdint>
+
+#include "common/kernels/cpu/quant_gemv.h"
+
+namespace hmoe::cpu::internal {
+
+QuantGemv* NewScalarQuantGemv();
+QuantGemv* NewAvx2QuantGemv();
+QuantGemv* NewAvx512VnniQuantGemv();
+
+// The scalar MatVec (any supported type), compiled without ISA flags.
+void ScalarQuantMatVec(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int n,
+                       int64_t m_begin, int64_t m_end, float* y, int64_t y_stride);
+
+// The argument checks of QuantGemv::MatVec (aborts with a message on a violation), out of line so
+// the ISA-specific files need no logging code.
+void CheckQuantMatVecArgs(const QuantMatrixView& w, int64_t x_stride, int n, int64_t m_begin,
+                          int64_t m_end);
+
+}  // namespace hmoe::cpu::internal
