@@ -5,6 +5,8 @@
 //   hmoe health --addr ... [--service NAME] [--wait-s S]
 //   hmoe load --addr ... --duration-s 60 --concurrency 4 --log requests.tsv   (scripts/soak.sh)
 //   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
+//   hmoe bench --addr ... [--rate R | --arrival closed --concurrency C] [--scenario all] --json F
+//     (docs/bench.md; the command lives in tools/bench/)
 // Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
 // tokenizer) to stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path)
 // on stderr. `health` works against any gRPC server with the standard health service (router,
@@ -41,6 +43,7 @@
 #include "common/base/flags.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
+#include "tools/bench/bench_command.h"
 #include "tools/deploy_config.h"
 
 ABSL_FLAG(std::string, addr, "127.0.0.1:50051", "router address");
@@ -460,22 +463,26 @@ int main(int argc, char** argv) {
     fixed.push_back(a.data());
   }
   hmoe::SetUsage(
-      "hmoe generate|status|health|load --addr HOST:PORT [--prompt TEXT | --prompt-ids 1,2,3] "
+      "hmoe generate|status|health|load|bench --addr HOST:PORT [--prompt TEXT | --prompt-ids "
+      "1,2,3] "
       "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
       "[--prefill-workers N]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
-    std::cerr << "usage: hmoe generate|status|health|load|deploy [flags] (--help for flags)\n";
+    std::cerr
+        << "usage: hmoe generate|status|health|load|bench|deploy [flags] (--help for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
   if (command == "deploy") return Deploy(argv[0]);
+  if (command == "bench") return hmoe::bench::RunBenchCommand({argv, argv + argc});
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_addr), grpc::InsecureChannelCredentials());
   auto stub = v1::Hmoe::NewStub(channel);
   if (command == "generate") return Generate(stub.get());
   if (command == "status") return Status(stub.get());
   if (command == "health") return Health(channel);
   if (command == "load") return Load(stub.get());
-  std::cerr << "unknown command " << command << "; use generate, status, health, load or deploy\n";
+  std::cerr << "unknown command " << command
+            << "; use generate, status, health, load, bench or deploy\n";
   return 2;
 }
