@@ -44,7 +44,8 @@ ABSL_FLAG(std::string, json, "", "bench: write the results as JSON (docs/bench.m
 ABSL_FLAG(std::string, label, "", "bench: free text stored in the JSON (e.g. the configuration)");
 ABSL_FLAG(std::string, scenario, "",
           "bench: run the paper's concurrency scenarios instead of a load: all, or a comma list "
-          "of 1P, 1D, 1P+1D, 2D, 1P+2D (any nP+mD); 1P and 1D run too as baselines");
+          "of 1P, 1D, 1P+1D, 2D, 1P+2D (any nP+mD); 1P and 1D run too as baselines; --hint "
+          "applies to the prefills only");
 ABSL_FLAG(double, target_s, 20, "bench --scenario: one prefill alone should last this long");
 ABSL_FLAG(int64_t, prefill_tokens, 0,
           "bench --scenario: prefill prompt tokens (0: calibrated to --target-s)");

@@ -237,7 +237,7 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
   // Warm-up: one short decode (first-call costs: connections, page faults of the weights).
   {
     RequestResult& w =
-        keep(client.Run(Random(o.decode_prompt_tokens, 8, vocab, rng), o.hint, origin));
+        keep(client.Run(Random(o.decode_prompt_tokens, 8, vocab, rng), v1::PATH_HINT_AUTO, origin));
     w.warmup = true;
     if (!w.ok) {
       return absl::UnavailableError(
@@ -305,7 +305,8 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
       {
         std::vector<std::thread> threads;
         for (size_t i = 0; i < plan.size(); ++i) {
-          threads.emplace_back([&, i] { out[i] = client.Run(plan[i], o.hint, origin); });
+          const v1::PathHint hint = roles[i] == 'P' ? o.hint : v1::PATH_HINT_AUTO;
+          threads.emplace_back([&, i, hint] { out[i] = client.Run(plan[i], hint, origin); });
         }
         for (std::thread& t : threads) t.join();
       }

@@ -88,6 +88,7 @@ struct ScenarioOptions {
   int64_t decode_new_tokens = 480;  // forced: ignore_eos
   int repeats = 3;
   uint64_t seed = 0;
+  // The path hint of the prefill requests (and the calibration); decodes always go with AUTO.
   v1::PathHint hint = v1::PATH_HINT_AUTO;
   // Progress lines (calibration, each repetition) go here when set.
   std::function<void(const std::string&)> log;
