@@ -289,6 +289,8 @@ TEST(BenchSmokeTest, TenRequestsAndTheScenariosOnTiny) {
   EXPECT_TRUE(res[0]["norm_d_tpot"].is_null());
   EXPECT_DOUBLE_EQ(res[1]["norm_d_tpot"].get<double>(), 1.0);
   EXPECT_TRUE(res[1]["mean_p_ttft_s"].is_null());
+  EXPECT_GT(res[1]["mean_d_ttft_s"].get<double>(), 0);
+  EXPECT_TRUE(res[0]["mean_d_ttft_s"].is_null());
   EXPECT_GT(res[4]["norm_p_ttft"].get<double>(), 0);
   EXPECT_GT(res[4]["norm_d_tpot"].get<double>(), 0);
   // 1 warm-up + 1 + 1 + 2 + 2 + 3 scenario requests, each P/D with its role and length.

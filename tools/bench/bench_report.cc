@@ -87,6 +87,7 @@ nlohmann::json ScenariosJson(const ScenarioReport& report) {
                     {"total_s", totals},
                     {"mean_p_ttft_s", Num(r.mean_p_ttft_s)},
                     {"mean_d_tpot_s", Num(r.mean_d_tpot_s)},
+                    {"mean_d_ttft_s", Num(r.mean_d_ttft_s)},
                     {"mean_total_s", Num(r.mean_total_s)},
                     {"norm_p_ttft", Num(r.norm_p_ttft)},
                     {"norm_d_tpot", Num(r.norm_d_tpot)},
@@ -121,9 +122,10 @@ std::string ScenariosText(const ScenarioReport& report) {
       "prefill requests: %d prompt tokens\n%-8s %12s %8s %12s %8s %12s %8s\n",
       report.prefill_tokens, "scenario", "P TTFT ms", "/1P", "D TPOT ms", "/1D", "total ms", "/1P");
   for (const ScenarioResult& r : report.scenarios) {
-    absl::StrAppendFormat(&out, "%-8s %12s %8s %12s %8s %12s %8s\n", r.shape.name,
+    absl::StrAppendFormat(&out, "%-8s %12s %8s %12s %8s %12s %12s %8s\n", r.shape.name,
                           Ms(r.mean_p_ttft_s), Ratio(r.norm_p_ttft), Ms(r.mean_d_tpot_s),
-                          Ratio(r.norm_d_tpot), Ms(r.mean_total_s), Ratio(r.norm_total));
+                          Ratio(r.norm_d_tpot), Ms(r.mean_d_ttft_s), Ms(r.mean_total_s),
+                          Ratio(r.norm_total));
   }
   return out;
 }

@@ -289,7 +289,7 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
   for (const ScenarioShape& shape : o.scenarios) {
     ScenarioResult res;
     res.shape = shape;
-    std::vector<double> p_ttft, d_tpot;
+    std::vector<double> p_ttft, d_tpot, d_ttft;
     for (int rep = 0; rep < o.repeats; ++rep) {
       std::vector<PlannedRequest> plan;
       std::vector<char> roles;
@@ -324,7 +324,10 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
           continue;
         }
         if (r.role == 'P') p_ttft.push_back(Ttft(r));
-        if (r.role == 'D') d_tpot.push_back(Tpot(r));
+        if (r.role == 'D') {
+          d_tpot.push_back(Tpot(r));
+          d_ttft.push_back(Ttft(r));
+        }
       }
       res.total_s.push_back(last - first);
       log(absl::StrFormat("%s #%d: total %.2f s%s", shape.name, rep + 1, last - first,
@@ -332,6 +335,7 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
     }
     res.mean_p_ttft_s = Mean(p_ttft);
     res.mean_d_tpot_s = Mean(d_tpot);
+    res.mean_d_ttft_s = Mean(d_ttft);
     res.mean_total_s = Mean(res.total_s);
     report.scenarios.push_back(std::move(res));
   }

@@ -104,6 +104,7 @@ struct ScenarioResult {
   std::vector<double> total_s;  // per repetition: first send to last end
   double mean_p_ttft_s = 0;     // NaN without prefills
   double mean_d_tpot_s = 0;     // NaN without decodes
+  double mean_d_ttft_s = 0;     // NaN without decodes (how long a decode waited for its start)
   double mean_total_s = 0;
   // Divided by the same metric of 1P (TTFT, total) and 1D (TPOT); NaN when that baseline was not
   // run or this scenario lacks the metric.
