@@ -13,6 +13,7 @@ PACKAGES=(
   nlohmann-json3-dev python3-jinja2  # JSON in common/chat; the chat-template conformance test
   prometheus-cpp-dev  # hmoe-router's /metrics (Boost.Beast, its HTTP server, is in libboost-dev)
   clang-14 libfuzzer-14-dev  # scripts/fuzz.sh and test.sh's fuzz configuration
+  python3-matplotlib  # scripts/plot_bench.py: `hmoe bench` JSON to PNGs (docs/bench.md)
 )
 
 missing=()

@@ -7,6 +7,8 @@
 //   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
 //   hmoe http-bench --addr ... --http-addr 127.0.0.1:8000 --samples 200 --streams 64
 //       (scripts/http_bench.sh: TTFT over HTTP vs gRPC, concurrent SSE streams)
+//   hmoe bench --addr ... [--rate R | --arrival closed --concurrency C] [--scenario all] --json F
+//     (docs/bench.md; the command lives in tools/bench/)
 // Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
 // tokenizer) to stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path)
 // on stderr. `health` works against any gRPC server with the standard health service (router,
@@ -50,6 +52,7 @@
 #include "common/base/flags.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
+#include "tools/bench/bench_command.h"
 #include "tools/deploy_config.h"
 
 #include <nlohmann/json.hpp>
@@ -744,17 +747,19 @@ int main(int argc, char** argv) {
   }
   hmoe::SetUsage(
       "hmoe generate|status|health|load|http-bench --addr HOST:PORT [--prompt TEXT | --prompt-ids "
+      "hmoe generate|status|health|load|bench --addr HOST:PORT [--prompt TEXT | --prompt-ids "
       "1,2,3] "
       "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
       "[--prefill-workers N]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
     std::cerr
-        << "usage: hmoe generate|status|health|load|http-bench|deploy [flags] (--help for flags)\n";
+        << "usage: hmoe generate|status|health|load|bench|http-bench|deploy [flags] (--help for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
   if (command == "deploy") return Deploy(argv[0]);
+  if (command == "bench") return hmoe::bench::RunBenchCommand({argv, argv + argc});
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_addr), grpc::InsecureChannelCredentials());
   auto stub = v1::Hmoe::NewStub(channel);
   if (command == "generate") return Generate(stub.get());
@@ -763,6 +768,6 @@ int main(int argc, char** argv) {
   if (command == "load") return Load(stub.get());
   if (command == "http-bench") return HttpBench(stub.get());
   std::cerr << "unknown command " << command
-            << "; use generate, status, health, load, http-bench or deploy\n";
+            << "; use generate, status, health, load, bench, http-bench or deploy\n";
   return 2;
 }

@@ -1,0 +1,346 @@
+#include "tools/bench/bench_runner.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace hmoe::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double Since(Clock::time_point origin, Clock::time_point t) {
+  return std::chrono::duration<double>(t - origin).count();
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "UNKNOWN";
+}
+
+// "FINISH_REASON_LENGTH" -> "length", "PATH_SLP" -> "slp".
+std::string EnumSuffix(const std::string& name, size_t prefix) {
+  return name.size() > prefix ? absl::AsciiStrToLower(name.substr(prefix)) : "";
+}
+
+PlannedRequest Random(int64_t prompt_tokens, int64_t max_new, int64_t vocab, std::mt19937_64& rng) {
+  const LengthSpec fixed_prompt{LengthSpec::Kind::kFixed, prompt_tokens, 0, 0, ""};
+  const LengthSpec fixed_new{LengthSpec::Kind::kFixed, max_new, 0, 0, ""};
+  // context_length large enough that nothing is clamped: the caller checked the sizes.
+  return PlanRequests(1, fixed_prompt, fixed_new, vocab, prompt_tokens + 2 * max_new + 2, rng)[0];
+}
+
+double Mean(const std::vector<double>& v) {
+  if (v.empty()) return kNaN;
+  double s = 0;
+  for (double x : v) s += x;
+  return s / static_cast<double>(v.size());
+}
+
+}  // namespace
+
+BenchClient::BenchClient(const std::string& addr, double timeout_s)
+    : channel_(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials())),
+      stub_(v1::Hmoe::NewStub(channel_)),
+      timeout_s_(timeout_s) {}
+
+absl::StatusOr<v1::ModelInfo> BenchClient::ModelInfo() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
+  v1::ModelInfo info;
+  const grpc::Status s = stub_->GetModelInfo(&ctx, {}, &info);
+  if (!s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("GetModelInfo: ", CodeName(s.error_code()), ": ", s.error_message()));
+  }
+  return info;
+}
+
+absl::StatusOr<v1::RouterStatus> BenchClient::RouterStatus() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
+  v1::RouterStatus st;
+  const grpc::Status s = stub_->GetStatus(&ctx, {}, &st);
+  if (!s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("GetStatus: ", CodeName(s.error_code()), ": ", s.error_message()));
+  }
+  return st;
+}
+
+RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
+                               Clock::time_point origin) {
+  RequestResult r;
+  r.prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  r.max_new_tokens = request.max_new_tokens;
+  v1::GenerateRequest req;
+  for (int32_t id : request.prompt) req.mutable_prompt_token_ids()->add_ids(id);
+  req.set_max_new_tokens(static_cast<int32_t>(request.max_new_tokens));
+  req.set_ignore_eos(true);
+  req.set_path_hint(hint);
+  r.token_s.reserve(request.max_new_tokens);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
+  r.start_s = Since(origin, Clock::now());
+  auto reader = stub_->Generate(&ctx, req);
+  v1::GenerateResponse msg;
+  v1::Finished finished;
+  bool have_finished = false;
+  while (reader->Read(&msg)) {
+    if (msg.has_token()) {
+      r.token_s.push_back(Since(origin, Clock::now()));
+    } else if (msg.has_finished()) {
+      finished = msg.finished();
+      have_finished = true;
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  r.end_s = Since(origin, Clock::now());
+  r.ok = s.ok();
+  r.status = CodeName(s.error_code());
+  r.message = s.error_message();
+  if (have_finished) {
+    r.finish_reason = EnumSuffix(v1::FinishReason_Name(finished.reason()), 14);
+    const v1::Timing& t = finished.timing();
+    r.path = t.path() == v1::PATH_UNSPECIFIED ? "" : EnumSuffix(v1::Path_Name(t.path()), 5);
+    r.worker_ids.assign(t.worker_ids().begin(), t.worker_ids().end());
+    r.attempts = t.attempts();
+    r.server_queue_s = static_cast<double>(t.queue_us()) * 1e-6;
+    r.server_ttft_s = static_cast<double>(t.ttft_us()) * 1e-6;
+    r.server_tpot_s = static_cast<double>(t.tpot_us()) * 1e-6;
+    r.server_total_s = static_cast<double>(t.total_us()) * 1e-6;
+  }
+  return r;
+}
+
+std::vector<RequestResult> RunLoad(BenchClient& client, const v1::ModelInfo& info,
+                                   const LoadOptions& o) {
+  std::mt19937_64 rng(o.seed);
+  const std::vector<PlannedRequest> plan = PlanRequests(
+      o.warmup + o.requests, o.prompt, o.output, info.vocab_size(), info.context_length(), rng);
+  std::mt19937_64 arrival_rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
+  const std::vector<double> at = ArrivalTimes(o.arrival, o.requests, arrival_rng);
+  std::vector<RequestResult> results(plan.size());
+  const Clock::time_point origin = Clock::now();
+  for (int i = 0; i < o.warmup; ++i) {
+    results[i] = client.Run(plan[i], o.hint, origin);
+    results[i].warmup = true;
+  }
+  const Clock::time_point begin = Clock::now();
+  auto run = [&](int i) { results[o.warmup + i] = client.Run(plan[o.warmup + i], o.hint, origin); };
+  std::vector<std::thread> threads;
+  if (o.arrival.kind == ArrivalSpec::Kind::kClosed) {
+    std::atomic<int> next{0};
+    for (int c = 0; c < std::max(o.arrival.concurrency, 1); ++c) {
+      threads.emplace_back([&] {
+        for (int i = next++; i < o.requests; i = next++) run(i);
+      });
+    }
+  } else {
+    for (int i = 0; i < o.requests; ++i) {
+      std::this_thread::sleep_until(begin + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(at[i])));
+      threads.emplace_back(run, i);
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < results.size(); ++i) results[i].index = static_cast<int64_t>(i);
+  return results;
+}
+
+absl::StatusOr<ScenarioShape> ParseScenario(const std::string& name) {
+  ScenarioShape shape;
+  shape.name = name;
+  for (absl::string_view term : absl::StrSplit(name, '+')) {
+    int n = 0;
+    if (term.size() < 2 || !absl::SimpleAtoi(term.substr(0, term.size() - 1), &n) || n < 1 ||
+        n > 64 || (term.back() != 'P' && term.back() != 'D')) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--scenario: \"", name, "\": want terms like 1P or 2D joined by '+' (e.g. 1P+2D)"));
+    }
+    (term.back() == 'P' ? shape.prefills : shape.decodes) += n;
+  }
+  return shape;
+}
+
+void Normalize(std::vector<ScenarioResult>& results) {
+  double p_ttft = kNaN, p_total = kNaN, d_tpot = kNaN;
+  for (const ScenarioResult& r : results) {
+    if (r.shape.prefills == 1 && r.shape.decodes == 0) {
+      p_ttft = r.mean_p_ttft_s;
+      p_total = r.mean_total_s;
+    }
+    if (r.shape.prefills == 0 && r.shape.decodes == 1) d_tpot = r.mean_d_tpot_s;
+  }
+  for (ScenarioResult& r : results) {
+    r.norm_p_ttft = r.mean_p_ttft_s / p_ttft;
+    r.norm_d_tpot = r.mean_d_tpot_s / d_tpot;
+    r.norm_total = r.mean_total_s / p_total;
+  }
+}
+
+absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::ModelInfo& info,
+                                            const ScenarioOptions& o) {
+  auto log = [&](const std::string& line) {
+    if (o.log) o.log(line);
+  };
+  const int64_t context = info.context_length();
+  const int64_t vocab = info.vocab_size();
+  if (o.decode_prompt_tokens + o.decode_new_tokens > context) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("decodes of %d + %d tokens do not fit the context (%d tokens)",
+                        o.decode_prompt_tokens, o.decode_new_tokens, context));
+  }
+  const int64_t cap = context - o.prefill_new_tokens;
+  if (cap < 1)
+    return absl::InvalidArgumentError("--prefill-new-tokens leaves no room for a prompt");
+  std::mt19937_64 rng(o.seed);
+  ScenarioReport report;
+  const Clock::time_point origin = Clock::now();
+  int64_t index = 0;
+  auto keep = [&](RequestResult r) -> RequestResult& {
+    r.index = index++;
+    report.requests.push_back(std::move(r));
+    return report.requests.back();
+  };
+
+  // Warm-up: one short decode (first-call costs: connections, page faults of the weights).
+  {
+    RequestResult& w =
+        keep(client.Run(Random(o.decode_prompt_tokens, 8, vocab, rng), v1::PATH_HINT_AUTO, origin));
+    w.warmup = true;
+    if (!w.ok) {
+      return absl::UnavailableError(
+          absl::StrCat("the warm-up request failed: ", w.status, ": ", w.message));
+    }
+  }
+
+  // The prefill length: TTFT is close to linear in the prompt length on these sizes, so scale the
+  // last measurement to the target until within 15 % (at most 4 measurements).
+  int64_t tokens = o.prefill_tokens;
+  if (tokens > cap) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--prefill-tokens %d does not fit the context (%d tokens with %d new)",
+                        tokens, context, o.prefill_new_tokens));
+  }
+  if (tokens <= 0) {
+    tokens = std::min<int64_t>(1024, cap);
+    for (int step = 0; step < 4; ++step) {
+      RequestResult& c =
+          keep(client.Run(Random(tokens, o.prefill_new_tokens, vocab, rng), o.hint, origin));
+      c.warmup = true;
+      c.scenario = "calibration";
+      if (!c.ok) {
+        return absl::UnavailableError(absl::StrFormat("calibration prefill of %d tokens: %s: %s",
+                                                      tokens, c.status, c.message));
+      }
+      const double ttft = Ttft(c);
+      report.calibration.push_back({tokens, ttft});
+      log(absl::StrFormat("calibration: %d tokens, TTFT %.2f s (target %.1f s), path %s", tokens,
+                          ttft, o.target_s, c.path));
+      if (std::abs(ttft - o.target_s) <= 0.15 * o.target_s) break;
+      const int64_t next = std::clamp<int64_t>(
+          static_cast<int64_t>(std::llround(static_cast<double>(tokens) * o.target_s / ttft)), 16,
+          cap);
+      if (next == tokens) break;  // at the context's cap
+      tokens = next;
+    }
+    const CalibrationPoint& last = report.calibration.back();
+    if (last.prompt_tokens == cap && last.ttft_s < 0.85 * o.target_s) {
+      log(absl::StrFormat("calibration: capped by the context at %d tokens (%.2f s < %.1f s)", cap,
+                          last.ttft_s, o.target_s));
+    }
+    if (last.prompt_tokens != tokens) {
+      log(absl::StrFormat("calibration: using %d tokens (not measured alone)", tokens));
+    }
+  }
+  report.prefill_tokens = tokens;
+
+  for (const ScenarioShape& shape : o.scenarios) {
+    ScenarioResult res;
+    res.shape = shape;
+    std::vector<double> p_ttft, d_tpot, d_ttft;
+    for (int rep = 0; rep < o.repeats; ++rep) {
+      std::vector<PlannedRequest> plan;
+      std::vector<char> roles;
+      for (int i = 0; i < shape.prefills; ++i) {
+        plan.push_back(Random(tokens, o.prefill_new_tokens, vocab, rng));
+        roles.push_back('P');
+      }
+      for (int i = 0; i < shape.decodes; ++i) {
+        plan.push_back(Random(o.decode_prompt_tokens, o.decode_new_tokens, vocab, rng));
+        roles.push_back('D');
+      }
+      std::vector<RequestResult> out(plan.size());
+      {
+        std::vector<std::thread> threads;
+        for (size_t i = 0; i < plan.size(); ++i) {
+          const v1::PathHint hint = roles[i] == 'P' ? o.hint : v1::PATH_HINT_AUTO;
+          threads.emplace_back([&, i, hint] { out[i] = client.Run(plan[i], hint, origin); });
+        }
+        for (std::thread& t : threads) t.join();
+      }
+      double first = std::numeric_limits<double>::infinity(), last = -first;
+      int failed = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        RequestResult& r = keep(std::move(out[i]));
+        r.scenario = shape.name;
+        r.repeat = rep;
+        r.role = roles[i];
+        first = std::min(first, r.start_s);
+        last = std::max(last, r.end_s);
+        if (!r.ok) {
+          ++failed;
+          continue;
+        }
+        if (r.role == 'P') p_ttft.push_back(Ttft(r));
+        if (r.role == 'D') {
+          d_tpot.push_back(Tpot(r));
+          d_ttft.push_back(Ttft(r));
+        }
+      }
+      res.total_s.push_back(last - first);
+      log(absl::StrFormat("%s #%d: total %.2f s%s", shape.name, rep + 1, last - first,
+                          failed > 0 ? absl::StrCat(", ", failed, " failed") : ""));
+    }
+    res.mean_p_ttft_s = Mean(p_ttft);
+    res.mean_d_tpot_s = Mean(d_tpot);
+    res.mean_d_ttft_s = Mean(d_ttft);
+    res.mean_total_s = Mean(res.total_s);
+    report.scenarios.push_back(std::move(res));
+  }
+  Normalize(report.scenarios);
+  return report;
+}
+
+}  // namespace hmoe::bench

@@ -1,0 +1,130 @@
+#pragma once
+
+// `hmoe bench`'s runs against a router's public gRPC API (docs/bench.md): an open- or closed-loop
+// load (RunLoad) and the paper's concurrency scenarios 1P, 1D, 1P+1D, 2D, 1P+2D (RunScenarios).
+// Every request is timed on the client (steady clock): send, each streamed token, end of stream;
+// the router's own Timing (queue, TTFT, path, workers, attempts) is kept next to it.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include <grpcpp/grpcpp.h>
+
+#include "proto/hmoe_v1.grpc.pb.h"
+#include "tools/bench/bench_stats.h"
+#include "tools/bench/workload.h"
+
+namespace hmoe::bench {
+
+// A request's client-side record plus what the API returned.
+struct RequestResult : RequestRecord {
+  int64_t index = 0;
+  std::string scenario;  // scenario runs: its name ("1P+2D"), and
+  int repeat = 0;        //   the repetition
+  char role = 0;         //   'P' or 'D'; 0 for a load run or calibration
+  int64_t max_new_tokens = 0;
+  std::string status;         // gRPC status code name ("OK", "RESOURCE_EXHAUSTED", ...)
+  std::string message;        // the status message when not OK
+  std::string finish_reason;  // "length", "eos", ... ("" when no Finished message came)
+  std::string path;           // "chunked", "slp", "dslp" ("" when unknown)
+  std::vector<std::string> worker_ids;
+  int attempts = 0;
+  // The router's Timing, in seconds.
+  double server_queue_s = 0;
+  double server_ttft_s = 0;
+  double server_tpot_s = 0;
+  double server_total_s = 0;
+};
+
+// A client of one router; thread-safe (one gRPC channel, a call per request).
+class BenchClient {
+ public:
+  BenchClient(const std::string& addr, double timeout_s);
+  absl::StatusOr<v1::ModelInfo> ModelInfo();
+  absl::StatusOr<v1::RouterStatus> RouterStatus();
+  // Sends one request (ignore_eos: it generates exactly max_new_tokens unless it fails) and
+  // records it, with times relative to `origin`.
+  RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
+                    std::chrono::steady_clock::time_point origin);
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Hmoe::Stub> stub_;
+  double timeout_s_;
+};
+
+struct LoadOptions {
+  ArrivalSpec arrival;
+  int requests = 10;  // measured requests
+  int warmup = 0;     // sent one at a time before them, left out of the summary
+  LengthSpec prompt;
+  LengthSpec output;
+  uint64_t seed = 0;
+  v1::PathHint hint = v1::PATH_HINT_AUTO;
+};
+// Warm-up requests first (marked warmup), then the measured ones.
+std::vector<RequestResult> RunLoad(BenchClient& client, const v1::ModelInfo& info,
+                                   const LoadOptions& options);
+
+// "1P+2D" -> 1 prefill and 2 decode requests; any "<n>P" / "<n>D" terms joined by '+'.
+struct ScenarioShape {
+  std::string name;
+  int prefills = 0;
+  int decodes = 0;
+};
+absl::StatusOr<ScenarioShape> ParseScenario(const std::string& name);
+
+struct ScenarioOptions {
+  std::vector<ScenarioShape> scenarios;
+  double target_s = 20;        // one prefill alone should last this long
+  int64_t prefill_tokens = 0;  // 0: found by calibration so that 1P's TTFT ~ target_s
+  int64_t prefill_new_tokens = 4;
+  int64_t decode_prompt_tokens = 10;
+  int64_t decode_new_tokens = 480;  // forced: ignore_eos
+  int repeats = 3;
+  uint64_t seed = 0;
+  // The path hint of the prefill requests (and the calibration); decodes always go with AUTO.
+  v1::PathHint hint = v1::PATH_HINT_AUTO;
+  // Progress lines (calibration, each repetition) go here when set.
+  std::function<void(const std::string&)> log;
+};
+
+struct CalibrationPoint {
+  int64_t prompt_tokens = 0;
+  double ttft_s = 0;
+};
+
+struct ScenarioResult {
+  ScenarioShape shape;
+  std::vector<double> total_s;  // per repetition: first send to last end
+  double mean_p_ttft_s = 0;     // NaN without prefills
+  double mean_d_tpot_s = 0;     // NaN without decodes
+  double mean_d_ttft_s = 0;     // NaN without decodes (how long a decode waited for its start)
+  double mean_total_s = 0;
+  // Divided by the same metric of 1P (TTFT, total) and 1D (TPOT); NaN when that baseline was not
+  // run or this scenario lacks the metric.
+  double norm_p_ttft = 0;
+  double norm_d_tpot = 0;
+  double norm_total = 0;
+};
+
+struct ScenarioReport {
+  int64_t prefill_tokens = 0;
+  std::vector<CalibrationPoint> calibration;
+  std::vector<ScenarioResult> scenarios;
+  std::vector<RequestResult> requests;
+};
+// Runs each scenario `repeats` times (all its requests sent at once), after a calibration of the
+// prefill length (unless prefill_tokens is given) and one short warm-up decode.
+absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::ModelInfo& info,
+                                            const ScenarioOptions& options);
+
+// The normalization of Fig. 18 over finished results (used by RunScenarios; exposed for tests).
+void Normalize(std::vector<ScenarioResult>& results);
+
+}  // namespace hmoe::bench
