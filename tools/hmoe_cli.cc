@@ -753,8 +753,8 @@ int main(int argc, char** argv) {
       "[--prefill-workers N]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
-    std::cerr
-        << "usage: hmoe generate|status|health|load|bench|http-bench|deploy [flags] (--help for flags)\n";
+    std::cerr << "usage: hmoe generate|status|health|load|bench|http-bench|deploy [flags] (--help "
+                 "for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
