@@ -45,6 +45,8 @@ GPUS=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   GPUS=$(nvidia-smi -L | grep -c '^GPU ')
 fi
+# A GGUF runs on the CPU backend only for now (docs/gguf.md "Serving a GGUF").
+if [[ "$MODEL" == *.gguf ]]; then GPUS=0; fi
 CUDA=OFF
 [[ $GPUS -gt 0 ]] && CUDA=AUTO
 say "building in $BUILD (GPUs: $GPUS, CUDA backend: $CUDA)"

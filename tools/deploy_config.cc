@@ -156,6 +156,12 @@ absl::StatusOr<DeployOptions> Resolve(DeployOptions o) {
       return absl::FailedPreconditionError(
           absl::StrCat("--model: ", o.model_dir, " is not a GGUF file"));
     }
+    if (o.gpus > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--model: ", o.model_dir,
+                       " is a GGUF, which runs on the CPU backend only for now (the CUDA device "
+                       "does not compute with GGML block types): pass --gpus 0"));
+    }
   } else if (!std::filesystem::exists(o.model_dir + "/config.json")) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--model: ", o.model_dir, " has no config.json (give a checkpoint directory or a .gguf)"));

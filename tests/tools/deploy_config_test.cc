@@ -270,6 +270,10 @@ TEST_F(DeployConfigTest, AGgufFileIsTheModelOfWeightdAndTheRouter) {
   ASSERT_TRUE(r.ok()) << r.status();
   const std::string conf = RenderSupervisordConf(*r);
   EXPECT_TRUE(absl::StrContains(conf, "--model " + o.model_dir)) << conf;
+  o.gpus = 1;  // the CUDA device refuses GGML block types
+  const absl::Status s = Resolve(o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "--gpus 0")) << s;
 }
 
 TEST_F(DeployConfigTest, WriteCreatesAnOwnerOnlyRunDirAndTheConf) {
