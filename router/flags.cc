@@ -12,6 +12,8 @@
 #include "common/base/logging.h"
 #include "common/base/status_macros.h"
 #include "common/base/unix_socket.h"
+#include "common/model/gguf_model.h"
+#include "common/model/gguf_source.h"
 #include "common/model/model_config.h"
 #include "common/process/daemon.h"
 #include "common/process/socket_path.h"
@@ -22,7 +24,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
 ABSL_FLAG(std::string, registry_socket, "",
           "unix socket for the worker registry (its directory is created 0700); empty: serve the "
           "registry on --listen too");
-ABSL_FLAG(std::string, model, "", "checkpoint directory: config.json limits and the tokenizer");
+ABSL_FLAG(
+    std::string, model, "",
+    "checkpoint directory (config.json limits and the tokenizer) or GGUF file (its metadata)");
 ABSL_FLAG(int, vocab_size, 0, "vocabulary size without --model");
 ABSL_FLAG(int, context_length, 0, "context length without --model (0: unchecked)");
 ABSL_FLAG(int, chunk_threshold, 2048, "prompts with fewer tokens take chunked prefill");
@@ -73,9 +77,14 @@ absl::Status ReadFlags(RouterFlags& f) {
   f.model_dir = model_dir;
   options.limits.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   options.limits.context_length = absl::GetFlag(FLAGS_context_length);
+  std::unique_ptr<GgufModel> gguf;  // --model FILE.gguf: config and tokenizer from its metadata
+  if (IsGgufPath(model_dir)) {
+    HMOE_ASSIGN_OR_RETURN(gguf, GgufModel::Open(model_dir));
+  }
   if (!model_dir.empty()) {
     HMOE_ASSIGN_OR_RETURN(const ModelConfig config,
-                          ModelConfig::FromFile(model_dir + "/config.json"));
+                          gguf != nullptr ? ModelConfigFromGguf(*gguf)
+                                          : ModelConfig::FromFile(model_dir + "/config.json"));
     options.limits.vocab_size = static_cast<int32_t>(config.vocab_size);
     options.limits.context_length = static_cast<int32_t>(config.max_position_embeddings);
     options.bos_token_id = static_cast<int32_t>(config.bos_token_id);
@@ -85,7 +94,8 @@ absl::Status ReadFlags(RouterFlags& f) {
     for (const auto id : config.eos_token_ids) {
       options.eos_token_ids.push_back(static_cast<int32_t>(id));
     }
-    absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Load(model_dir);
+    absl::StatusOr<std::unique_ptr<Tokenizer>> t =
+        gguf != nullptr ? TokenizerFromGguf(*gguf) : Tokenizer::Load(model_dir);
     if (t.ok()) {
       tokenizer = *std::move(t);
     } else if (absl::IsNotFound(t.status())) {

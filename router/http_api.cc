@@ -9,6 +9,8 @@
 #include "absl/time/clock.h"
 
 #include "common/base/logging.h"
+#include "common/model/gguf_model.h"
+#include "common/model/gguf_source.h"
 #include "common/model/tokenizer.h"
 
 ABSL_FLAG(std::string, http_listen, "",
@@ -70,6 +72,29 @@ absl::StatusOr<std::unique_ptr<HttpApi>> StartHttpApiFromFlags(
                           absl::StrCat("--chat-template ", file, ": ", t.status().message()));
     }
     chat_template = *std::move(t);
+  } else if (IsGgufPath(model_dir)) {
+    // tokenizer.chat_template of the GGUF, with the tokenizer's bos/eos strings.
+    absl::StatusOr<chat::ChatTemplate> t =
+        absl::NotFoundError(absl::StrCat(model_dir, " has no tokenizer.chat_template"));
+    absl::StatusOr<std::unique_ptr<GgufModel>> gguf = GgufModel::Open(model_dir);
+    if (!gguf.ok()) {
+      t = gguf.status();
+    } else if (const std::string source = GgufChatTemplate(**gguf); !source.empty()) {
+      std::optional<std::string> bos, eos;
+      if (tokenizer != nullptr && tokenizer->bos_id() >= 0) {
+        bos = std::string(tokenizer->IdToToken(tokenizer->bos_id()));
+      }
+      if (tokenizer != nullptr && tokenizer->eos_id() >= 0) {
+        eos = std::string(tokenizer->IdToToken(tokenizer->eos_id()));
+      }
+      t = chat::ChatTemplate::FromString(source, bos, eos);
+    }
+    if (t.ok()) {
+      chat_template = *std::move(t);
+    } else {
+      HMOE_LOG(WARNING) << "no chat template: " << t.status();
+      o.chat_template_error = std::string(t.status().message());
+    }
   } else if (!model_dir.empty()) {
     absl::StatusOr<chat::ChatTemplate> t = chat::ChatTemplate::FromCheckpoint(model_dir);
     if (t.ok()) {

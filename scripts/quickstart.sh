@@ -9,7 +9,10 @@
 #
 # Environment:
 #   HMOE_BUILD_ROOT      build trees (default <repo>/build; this script uses <root>/quickstart)
-#   HMOE_MODEL_DIR       the demo checkpoint (default <repo>/out/small; written when missing)
+#   HMOE_MODEL_DIR       the demo checkpoint (default <repo>/out/small; written when missing), or
+#                        a GGUF file (*.gguf: served as it is, docs/gguf.md)
+#   HMOE_GGUF=1          the demo model as a Q4_K_M GGUF instead (default
+#                        <repo>/out/small-gguf/model.gguf; written when missing)
 #   HMOE_DEPLOY_DIR      supervisord.conf, logs (default <repo>/out/quickstart)
 #   HMOE_PORT            the router's port on 127.0.0.1 (default 50051)
 #   HMOE_HTTP_PORT       the router's OpenAI HTTP port on 127.0.0.1 (default 8000)
@@ -20,7 +23,11 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="${HMOE_BUILD_ROOT:-$ROOT/build}/quickstart"
-MODEL="${HMOE_MODEL_DIR:-$ROOT/out/small}"
+if [[ "${HMOE_GGUF:-0}" == 1 ]]; then
+  MODEL="${HMOE_MODEL_DIR:-$ROOT/out/small-gguf/model.gguf}"
+else
+  MODEL="${HMOE_MODEL_DIR:-$ROOT/out/small}"
+fi
 DEPLOY="${HMOE_DEPLOY_DIR:-$ROOT/out/quickstart}"
 PORT="${HMOE_PORT:-50051}"
 HTTP_PORT="${HMOE_HTTP_PORT:-8000}"
@@ -38,6 +45,8 @@ GPUS=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   GPUS=$(nvidia-smi -L | grep -c '^GPU ')
 fi
+# A GGUF runs on the CPU backend only for now (docs/gguf.md "Serving a GGUF").
+if [[ "$MODEL" == *.gguf ]]; then GPUS=0; fi
 CUDA=OFF
 [[ $GPUS -gt 0 ]] && CUDA=AUTO
 say "building in $BUILD (GPUs: $GPUS, CUDA backend: $CUDA)"
@@ -53,7 +62,13 @@ cmake --build "$BUILD" --target "${TARGETS[@]}" -j "$(nproc)"
 HMOE="$BUILD/tools/hmoe"
 
 # --- the demo checkpoint (random weights, a real tokenizer)
-if [[ ! -f "$MODEL/config.json" ]]; then
+if [[ "$MODEL" == *.gguf ]]; then
+  if [[ ! -f "$MODEL" && "$(basename "$MODEL")" == model.gguf ]]; then
+    say "writing the small demo model as a Q4_K_M GGUF to $MODEL"
+    "$BUILD/tools/hmoe-make-model" --preset small --out "$(dirname "$MODEL")" --format gguf \
+      --quant q4_k_m
+  fi
+elif [[ ! -f "$MODEL/config.json" ]]; then
   say "writing the small demo checkpoint to $MODEL"
   mkdir -p "$(dirname "$MODEL")"
   "$BUILD/tools/hmoe-make-model" --preset small --out "$MODEL"

@@ -150,9 +150,21 @@ absl::StatusOr<DeployOptions> Resolve(DeployOptions o) {
   HMOE_RETURN_IF_ERROR(CheckPath("--out", o.out_dir));
   HMOE_RETURN_IF_ERROR(CheckPath("--run-dir", o.run_dir));
   HMOE_RETURN_IF_ERROR(CheckPath("--log-dir", o.log_dir));
-  if (!std::filesystem::exists(o.model_dir + "/config.json")) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--model: ", o.model_dir, " has no config.json"));
+  if (o.model_dir.ends_with(".gguf")) {
+    // A GGUF model (any part of a split one): weightd, the workers and the router read it.
+    if (!std::filesystem::is_regular_file(o.model_dir)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--model: ", o.model_dir, " is not a GGUF file"));
+    }
+    if (o.gpus > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--model: ", o.model_dir,
+                       " is a GGUF, which runs on the CPU backend only for now (the CUDA device "
+                       "does not compute with GGML block types): pass --gpus 0"));
+    }
+  } else if (!std::filesystem::exists(o.model_dir + "/config.json")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--model: ", o.model_dir, " has no config.json (give a checkpoint directory or a .gguf)"));
   }
   // The longest socket name is supervisor.sock / prefill-NN.sock.
   const std::string longest = Socket(o, "supervisor");

@@ -76,7 +76,7 @@ ABSL_FLAG(double, timeout_s, 300, "deadline of the call");
 ABSL_FLAG(std::string, service, "", "health: the service to check (\"\": the server as a whole)");
 ABSL_FLAG(double, wait_s, 0, "health: poll until SERVING for up to this long (0: check once)");
 // deploy
-ABSL_FLAG(std::string, model, "", "deploy: checkpoint directory");
+ABSL_FLAG(std::string, model, "", "deploy: checkpoint directory or GGUF file (*.gguf)");
 ABSL_FLAG(std::string, out, "", "deploy: directory for supervisord.conf (run/ and logs/ inside)");
 ABSL_FLAG(std::string, run_dir, "", "deploy: sockets directory (default <out>/run; made 0700)");
 ABSL_FLAG(std::string, log_dir, "", "deploy: logs directory (default <out>/logs)");

@@ -35,6 +35,7 @@
 #include "common/base/flags.h"
 #include "common/base/logging.h"
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_source.h"
 #include "common/shm/control_segment.h"
 #include "common/shm/data_segment.h"
 #include "common/shm/numa_placement.h"
@@ -45,7 +46,7 @@
 ABSL_FLAG(std::string, instance, "default", "weightd instance name");
 ABSL_FLAG(bool, tensors, false, "list every tensor with its placement and parts");
 ABSL_FLAG(bool, verify, false, "compare every tensor byte with the checkpoint given by --model");
-ABSL_FLAG(std::string, model, "", "checkpoint directory for --verify");
+ABSL_FLAG(std::string, model, "", "checkpoint directory or GGUF file (*.gguf) for --verify");
 ABSL_FLAG(bool, touch, false, "read every byte of every segment");
 ABSL_FLAG(bool, hold, false, "stay attached until SIGTERM/SIGINT (then --verify again)");
 ABSL_FLAG(bool, status, false, "print weightd's status from its gRPC service");
@@ -164,24 +165,46 @@ bool PartMatches(const TensorView& want, const TensorPartView& p) {
 }
 
 bool Verify(const WeightStore& store, const std::string& model_dir) {
-  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(model_dir);
-  if (!ckpt.ok()) {
-    std::printf("verify: FAILED: %s\n", ckpt.status().ToString().c_str());
+  // A checkpoint directory, or a GGUF file (its tensors as weightd stores them: GGUF encoding,
+  // kv_b_proj dequantized; docs/gguf.md).
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<GgufCheckpoint> gguf;
+  absl::Status opened;
+  if (IsGgufPath(model_dir)) {
+    absl::StatusOr<std::unique_ptr<GgufCheckpoint>> g = GgufCheckpoint::Open(model_dir);
+    if (g.ok()) gguf = *std::move(g);
+    opened = g.status();
+  } else {
+    absl::StatusOr<std::unique_ptr<Checkpoint>> c = Checkpoint::Open(model_dir);
+    if (c.ok()) checkpoint = *std::move(c);
+    opened = c.status();
+  }
+  if (!opened.ok()) {
+    std::printf("verify: FAILED: %s\n", opened.ToString().c_str());
     return false;
   }
-  const shm::ModelIdentity identity = shm::ComputeModelIdentity(**ckpt);
+  const WeightSource* ckpt =
+      checkpoint != nullptr ? static_cast<const WeightSource*>(checkpoint.get()) : gguf.get();
+  std::vector<shm::TensorIndexEntry> index;
+  for (const std::string& name : ckpt->TensorNames()) {
+    absl::StatusOr<TensorView> v = ckpt->GetTensor(name);
+    if (!v.ok()) continue;
+    index.push_back(shm::TensorIndexEntry{name, v->dtype, v->shape, v->size_bytes});
+  }
+  const shm::ModelIdentity identity = shm::ComputeModelIdentity(
+      checkpoint != nullptr ? checkpoint->config_json() : gguf->config_json(), std::move(index));
   if (identity != store.identity()) {
     std::printf("verify: FAILED: checkpoint is model %s, the store holds %s\n",
                 identity.ToString().c_str(), store.identity().ToString().c_str());
     return false;
   }
-  if ((*ckpt)->TensorNames() != store.TensorNames()) {
+  if (ckpt->TensorNames() != store.TensorNames()) {
     std::printf("verify: FAILED: tensor names differ\n");
     return false;
   }
   uint64_t bytes = 0, parts = 0, mismatches = 0;
-  for (const std::string& name : (*ckpt)->TensorNames()) {
-    absl::StatusOr<TensorView> want = (*ckpt)->GetTensor(name);
+  for (const std::string& name : ckpt->TensorNames()) {
+    absl::StatusOr<TensorView> want = ckpt->GetTensor(name);
     const TensorEntry* e = store.manifest().Find(name);
     absl::StatusOr<std::vector<TensorPartView>> got = store.GetParts(name);
     if (!want.ok() || e == nullptr || !got.ok()) {
@@ -203,11 +226,11 @@ bool Verify(const WeightStore& store, const std::string& model_dir) {
   }
   if (mismatches > 0) {
     std::printf("verify: FAILED: %llu of %zu tensors differ\n",
-                static_cast<unsigned long long>(mismatches), (*ckpt)->TensorNames().size());
+                static_cast<unsigned long long>(mismatches), ckpt->TensorNames().size());
     return false;
   }
   std::printf("verify: OK: %zu tensors, %llu parts, %s byte-equal to %s\n",
-              (*ckpt)->TensorNames().size(), static_cast<unsigned long long>(parts),
+              ckpt->TensorNames().size(), static_cast<unsigned long long>(parts),
               Human(bytes).c_str(), model_dir.c_str());
   return true;
 }

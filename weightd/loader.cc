@@ -31,6 +31,7 @@ struct Job {
   uint32_t shard = 0;
   uint64_t src_offset = 0;
   uint64_t length = 0;
+  const std::byte* memory = nullptr;  // TensorSource::memory + the job's offset, or null
   const TensorEntry* tensor = nullptr;
   enum Kind { kDirect, kColumns } kind = kDirect;
   // kDirect: the bytes go to dst (contiguous); then to each of `replicas` at the same offset.
@@ -92,6 +93,10 @@ absl::StatusOr<std::vector<Job>> MakeJobs(const LoadPlan& plan, uint64_t chunk) 
     }
     const bool columns =
         t.placement == Placement::kSliced && t.parts.size() > 1 && t.parts[0].split_dim == 1;
+    if (src.memory != nullptr && t.placement == Placement::kSliced && t.parts.size() > 1) {
+      return absl::InternalError(
+          absl::StrCat("load plan: \"", t.name, "\" comes from memory and cannot be split"));
+    }
     if (columns) {
       const uint64_t row_bytes = static_cast<uint64_t>(t.shape[1]) * DTypeSize(t.dtype);
       const int64_t rows = t.shape[0];
@@ -139,6 +144,7 @@ absl::StatusOr<std::vector<Job>> MakeJobs(const LoadPlan& plan, uint64_t chunk) 
         j.kind = Job::kDirect;
         j.src_offset = base + off;
         j.length = std::min(chunk, p->size_bytes - off);
+        if (src.memory != nullptr) j.memory = src.memory + off;
         j.dst = dst + off;
         for (std::byte* r : replicas) j.replicas.push_back(r + off);
         j.targets.push_back({p->segment, p->offset + off});
@@ -202,7 +208,15 @@ absl::Status RunJob(const LoadPlan& plan, const Job& j, const std::vector<Unique
   const std::string& path = plan.shard_paths[j.shard];
   const int fd = fds[j.shard].get();
   const TensorEntry& t = *j.tensor;
-  if (j.kind == Job::kDirect) {
+  if (j.kind == Job::kDirect && j.memory != nullptr) {
+    for (const auto& [segment, offset] : j.targets) {
+      if (plan.segments[segment].fd >= 0) {
+        HMOE_RETURN_IF_ERROR(WriteAt(plan, segment, offset, j.memory, j.length));
+      } else {
+        std::memcpy(plan.segments[segment].map.data() + offset, j.memory, j.length);
+      }
+    }
+  } else if (j.kind == Job::kDirect) {
     if (plan.segments[j.targets[0].first].fd < 0) {
       // Mapped segment: read straight into it, then copy replicas.
       HMOE_RETURN_IF_ERROR(ReadFully(fd, path, t, j.src_offset, j.dst, j.length, counters));

@@ -29,6 +29,9 @@ struct TensorSource {
   uint32_t shard = 0;  // index into LoadPlan::shard_paths
   uint64_t file_offset = 0;
   uint64_t size_bytes = 0;
+  // Not null: the bytes are here in memory, not in a shard (a GGUF's kv_b_proj, dequantized at
+  // open); such a tensor is copied, not read, and must not be column-split.
+  const std::byte* memory = nullptr;
 };
 
 // Where a segment's bytes go: its writable mapping, and for file-backed segments an fd to write.

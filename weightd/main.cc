@@ -31,7 +31,8 @@
 #include "weightd/weight_daemon.h"
 #include "weightd/weightd_service.h"
 
-ABSL_FLAG(std::string, model, "", "checkpoint directory (config.json + safetensors)");
+ABSL_FLAG(std::string, model, "",
+          "checkpoint directory (config.json + safetensors) or GGUF file (*.gguf, any split part)");
 ABSL_FLAG(std::string, instance, "default", "instance name; names the shared memory and socket");
 ABSL_FLAG(std::string, numa, "auto", "NUMA placement: auto, off, or a node number");
 ABSL_FLAG(int, numa_slices, 0,

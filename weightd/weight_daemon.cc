@@ -70,6 +70,78 @@ std::string DescribeLayout(const shm::LayoutOptions& o) {
 
 }  // namespace
 
+struct WeightDaemon::ModelFiles {
+  struct Located {
+    uint32_t shard = 0;
+    uint64_t offset = 0;
+    const std::byte* memory = nullptr;  // bytes from memory instead of a file (GGUF kv_b)
+    shm::TensorIndexEntry entry;
+  };
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<GgufCheckpoint> gguf;
+  std::string config_json;
+  uint64_t total_bytes = 0;
+  std::vector<std::string> shard_paths;
+  std::vector<Located> tensors;  // in file order
+
+  std::vector<shm::TensorIndexEntry> Index() const {
+    std::vector<shm::TensorIndexEntry> index;
+    for (const Located& l : tensors) index.push_back(l.entry);
+    return index;
+  }
+};
+
+namespace {
+
+// Opens `path`: a safetensors checkpoint directory (checked against its config.json) or a GGUF
+// file (GgufCheckpoint: config from its metadata, tensors checked, big weights in their GGUF
+// encoding), and lists where every tensor's bytes are.
+absl::StatusOr<std::unique_ptr<WeightDaemon::ModelFiles>> OpenModelFiles(const std::string& path) {
+  auto m = std::make_unique<WeightDaemon::ModelFiles>();
+  using Located = WeightDaemon::ModelFiles::Located;
+  if (IsGgufPath(path)) {
+    HMOE_ASSIGN_OR_RETURN(m->gguf, GgufCheckpoint::Open(path));
+    const GgufCheckpoint& g = *m->gguf;
+    m->config_json = g.config_json();
+    m->total_bytes = g.total_tensor_bytes();
+    for (int i = 0; i < g.model().num_files(); ++i)
+      m->shard_paths.push_back(g.model().file(i).name());
+    for (const std::string& name : g.TensorNames()) {
+      HMOE_ASSIGN_OR_RETURN(const TensorView view, g.GetTensor(name));
+      HMOE_ASSIGN_OR_RETURN(const GgufCheckpoint::Location loc, g.Locate(name));
+      m->tensors.push_back(Located{
+          loc.memory != nullptr ? 0u : static_cast<uint32_t>(loc.file), loc.file_offset, loc.memory,
+          shm::TensorIndexEntry{name, view.dtype, view.shape, view.size_bytes}});
+    }
+  } else {
+    HMOE_ASSIGN_OR_RETURN(m->checkpoint, Checkpoint::Open(path));  // Its message names the dir.
+    const Checkpoint& checkpoint = *m->checkpoint;
+    if (absl::Status v = ValidateTensors(checkpoint.config(), checkpoint); !v.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint ", path, " does not match its config.json: ", v.message()));
+    }
+    m->config_json = checkpoint.config_json();
+    m->total_bytes = checkpoint.total_tensor_bytes();
+    for (uint32_t s = 0; s < checkpoint.shards().size(); ++s) {
+      const SafetensorsFile& shard = *checkpoint.shards()[s];
+      m->shard_paths.push_back(shard.path());
+      for (const auto& [name, entry] : shard.entries()) {
+        absl::StatusOr<TensorView> view = checkpoint.GetTensor(name);
+        if (!view.ok() || view->data != entry.view.data) continue;  // Served from another shard.
+        m->tensors.push_back(Located{s, entry.file_offset, nullptr,
+                                     shm::TensorIndexEntry{name, entry.view.dtype, entry.view.shape,
+                                                           entry.view.size_bytes}});
+      }
+    }
+  }
+  std::sort(m->tensors.begin(), m->tensors.end(), [](const Located& a, const Located& b) {
+    return a.shard != b.shard ? a.shard < b.shard : a.offset < b.offset;
+  });
+  return m;
+}
+
+}  // namespace
+
 absl::StatusOr<NumaSetting> ParseNumaSetting(std::string_view s) {
   NumaSetting n;
   if (s == "auto") return n;
@@ -209,22 +281,17 @@ absl::Status WeightDaemon::LoadOrAdoptImpl(const std::atomic<bool>* cancel) {
                  << shm::HugePageModeName(options_.hugepages) << ", NUMA "
                  << (numa_enabled_ ? absl::StrCat("nodes ", absl::StrJoin(numa_nodes_, ","))
                                    : std::string("off"));
-  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(options_.model_dir);
-  if (!checkpoint.ok()) return checkpoint.status();  // Its message names the directory.
-  if (absl::Status v = ValidateTensors((*checkpoint)->config(), **checkpoint); !v.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "checkpoint ", options_.model_dir, " does not match its config.json: ", v.message()));
-  }
-  const shm::ModelIdentity identity = shm::ComputeModelIdentity(**checkpoint);
+  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<ModelFiles> model, OpenModelFiles(options_.model_dir));
+  const shm::ModelIdentity identity = shm::ComputeModelIdentity(model->config_json, model->Index());
   {
     absl::MutexLock l(&mu_);
     status_.identity = identity;
-    status_.total_tensor_bytes = (*checkpoint)->total_tensor_bytes();
-    status_.num_tensors = static_cast<uint32_t>((*checkpoint)->TensorNames().size());
+    status_.total_tensor_bytes = model->total_bytes;
+    status_.num_tensors = static_cast<uint32_t>(model->tensors.size());
   }
-  HMOE_LOG(INFO) << "model identity " << identity.ToString() << ": "
-                 << (*checkpoint)->TensorNames().size() << " tensors, "
-                 << FormatBytes((*checkpoint)->total_tensor_bytes());
+  HMOE_LOG(INFO) << "model identity " << identity.ToString() << ": " << model->tensors.size()
+                 << " tensors, " << FormatBytes(model->total_bytes)
+                 << (model->gguf != nullptr ? " (GGUF, tensors in their GGUF encoding)" : "");
 
   uint64_t previous_generation = 0;
   absl::StatusOr<ControlSegment> existing = ControlSegment::OpenReadWrite(options_.instance);
@@ -249,7 +316,7 @@ absl::Status WeightDaemon::LoadOrAdoptImpl(const std::atomic<bool>* cancel) {
   } else if (!absl::IsNotFound(existing.status())) {
     return Annotate(existing.status(), absl::StrCat("instance ", options_.instance));
   }
-  return Load(**checkpoint, identity, previous_generation + 1, cancel);
+  return Load(*model, identity, previous_generation + 1, cancel);
 }
 
 bool WeightDaemon::CanAdopt(const ControlSegment& control, const shm::ModelIdentity& identity,
@@ -349,34 +416,17 @@ shm::NumaBinding WeightDaemon::BindingFor(const shm::SegmentLayout& segment) con
   return b;
 }
 
-absl::Status WeightDaemon::Load(const Checkpoint& checkpoint, const shm::ModelIdentity& identity,
+absl::Status WeightDaemon::Load(const ModelFiles& model, const shm::ModelIdentity& identity,
                                 uint64_t generation, const std::atomic<bool>* cancel) {
   SetState(DaemonState::kLoading);
   // The tensor index in file order (sequential writes), and where each tensor's bytes are.
   LoadPlan plan;
-  struct Located {
-    uint32_t shard;
-    uint64_t offset;
-    shm::TensorIndexEntry entry;
-  };
-  std::vector<Located> located;
-  for (uint32_t s = 0; s < checkpoint.shards().size(); ++s) {
-    const SafetensorsFile& shard = *checkpoint.shards()[s];
-    plan.shard_paths.push_back(shard.path());
-    for (const auto& [name, entry] : shard.entries()) {
-      absl::StatusOr<TensorView> view = checkpoint.GetTensor(name);
-      if (!view.ok() || view->data != entry.view.data) continue;  // Served from another shard.
-      located.push_back(Located{
-          s, entry.file_offset,
-          shm::TensorIndexEntry{name, entry.view.dtype, entry.view.shape, entry.view.size_bytes}});
-      plan.sources[name] = TensorSource{s, entry.file_offset, entry.view.size_bytes};
-    }
-  }
-  std::sort(located.begin(), located.end(), [](const Located& a, const Located& b) {
-    return a.shard != b.shard ? a.shard < b.shard : a.offset < b.offset;
-  });
+  plan.shard_paths = model.shard_paths;
   std::vector<shm::TensorIndexEntry> index;
-  for (Located& l : located) index.push_back(std::move(l.entry));
+  for (const ModelFiles::Located& l : model.tensors) {
+    index.push_back(l.entry);
+    plan.sources[l.entry.name] = TensorSource{l.shard, l.offset, l.entry.size_bytes, l.memory};
+  }
 
   HMOE_ASSIGN_OR_RETURN(Manifest manifest, shm::PlanLayout(index, layout_));
   manifest.identity = identity;
@@ -384,7 +434,7 @@ absl::Status WeightDaemon::Load(const Checkpoint& checkpoint, const shm::ModelId
   std::error_code ec;
   const std::filesystem::path abs = std::filesystem::absolute(options_.model_dir, ec);
   manifest.model_dir = ec ? options_.model_dir : abs.lexically_normal().string();
-  manifest.config_json = checkpoint.config_json();
+  manifest.config_json = model.config_json;
   const std::string manifest_bytes = manifest.Serialize();
 
   RemoveOrphanedFiles(options_.instance);

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_source.h"
 #include "common/shm/control_segment.h"
 #include "common/shm/data_segment.h"
 #include "common/shm/hugepages.h"
@@ -41,7 +42,7 @@ struct NumaSetting {
 absl::StatusOr<NumaSetting> ParseNumaSetting(std::string_view s);
 
 struct DaemonOptions {
-  std::string model_dir;
+  std::string model_dir;  // a checkpoint directory, or a GGUF file (*.gguf; any split part)
   std::string instance = "default";
   NumaSetting numa;
   // Slices per routed expert; 0 = one per NUMA node in use. N > nodes puts several slices on a
@@ -113,6 +114,9 @@ class WeightDaemon {
   absl::Status LoadOrAdopt(const std::atomic<bool>* cancel = nullptr);
 
   DaemonStatus status() const;
+  // The opened model (a safetensors checkpoint or a GGUF) with where each tensor's bytes are
+  // (weight_daemon.cc).
+  struct ModelFiles;
   // The manifest once ready, else nullptr.
   std::shared_ptr<const shm::Manifest> manifest() const;
   // The layout this daemon uses (derived from the options and the NUMA topology).
@@ -131,7 +135,7 @@ class WeightDaemon {
   bool CanAdopt(const shm::ControlSegment& control, const shm::ModelIdentity& identity,
                 std::string& why_not) const;
   absl::Status Adopt(shm::ControlSegment control);
-  absl::Status Load(const Checkpoint& checkpoint, const shm::ModelIdentity& identity,
+  absl::Status Load(const ModelFiles& model, const shm::ModelIdentity& identity,
                     uint64_t generation, const std::atomic<bool>* cancel);
   shm::NumaBinding BindingFor(const shm::SegmentLayout& segment) const;
   void SetState(DaemonState state, std::string error = "");

@@ -19,6 +19,7 @@
 #include "common/kernels/cpu/bf16_gemv.h"
 #include "common/kernels/cpu/f32_ops.h"
 #include "common/kernels/shared_math.h"
+#include "common/ops/cpu/quantized_linear.h"
 
 namespace hmoe {
 
@@ -69,9 +70,28 @@ absl::Status CheckLinearWeight(const LinearWeight& w, const char* what) {
       }
       return absl::OkStatus();
     default:
+      if (cpu::IsQuantizedLinearDType(w.dtype)) {
+        const int64_t block = DTypeBlockElements(w.dtype);
+        if (w.cols % block != 0 || w.row_stride % block != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(what, ": ", std::string(DTypeName(w.dtype)), " weight [", w.rows, ", ",
+                           w.cols, "] stride ", w.row_stride, " is not whole blocks of ", block));
+        }
+        return absl::OkStatus();
+      }
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": unsupported weight dtype ", std::string(DTypeName(w.dtype))));
   }
+}
+
+cpu::QuantizedMatrixView QuantizedView(const LinearWeight& w) {
+  cpu::QuantizedMatrixView v;
+  v.dtype = w.dtype;
+  v.data = static_cast<const std::byte*>(w.data);
+  v.rows = w.rows;
+  v.cols = w.cols;
+  v.row_stride = w.row_stride;
+  return v;
 }
 
 namespace {
@@ -146,7 +166,9 @@ void LinearRows(const CpuKernels& k, const LinearWeight& w, const std::byte* pac
                      m_begin, m_end, y, y_stride);
       return;
     default:
-      HMOE_CHECK(false) << "unsupported dtype";
+      // GGUF block types (and F16): the one quantized product (common/ops/cpu/quantized_linear.h).
+      HMOE_CHECK(cpu::IsQuantizedLinearDType(w.dtype)) << "unsupported dtype";
+      cpu::QuantizedLinearRows(QuantizedView(w), x, x_stride, n, m_begin, m_end, y, y_stride);
   }
 }
 
@@ -405,21 +427,27 @@ class CpuDevice final : public Device {
 
   absl::Status EmbeddingGather(Stream&, const LinearWeight& table, const int32_t* ids, int64_t n,
                                float* out) override {
-    if ((table.dtype != DType::kBF16 && table.dtype != DType::kF32) || table.data == nullptr ||
-        table.rows <= 0 || table.cols <= 0 || table.row_stride < table.cols || n < 0 ||
-        (n > 0 && (ids == nullptr || out == nullptr))) {
-      return absl::InvalidArgumentError("embedding gather: bad arguments (table must be BF16/F32)");
+    const bool quantized = cpu::IsQuantizedLinearDType(table.dtype);
+    if ((table.dtype != DType::kBF16 && table.dtype != DType::kF32 && !quantized) ||
+        table.data == nullptr || table.rows <= 0 || table.cols <= 0 ||
+        table.row_stride < table.cols || n < 0 || (n > 0 && (ids == nullptr || out == nullptr))) {
+      return absl::InvalidArgumentError(
+          "embedding gather: bad arguments (table must be BF16/F32 or a GGML block type)");
     }
+    if (quantized) HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(table, "embedding gather"));
     for (int64_t t = 0; t < n; ++t) {
       if (ids[t] < 0 || ids[t] >= table.rows) {
         return absl::InvalidArgumentError(
             absl::StrCat("embedding gather: id ", ids[t], " outside [0, ", table.rows, ")"));
       }
     }
-    const size_t elem = DTypeSize(table.dtype);
     for (int64_t t = 0; t < n; ++t) {
+      if (quantized) {
+        cpu::DequantizeRow(internal::QuantizedView(table), ids[t], out + t * table.cols);
+        continue;
+      }
       const std::byte* row = static_cast<const std::byte*>(table.data) +
-                             static_cast<size_t>(ids[t]) * table.row_stride * elem;
+                             DTypeBytes(table.dtype, ids[t] * table.row_stride);
       HMOE_RETURN_IF_ERROR(
           ConvertToFloat(table.dtype, row, static_cast<size_t>(table.cols), out + t * table.cols));
     }
@@ -435,11 +463,14 @@ class CpuDevice final : public Device {
         params.top_k > params.topk_group * (e / params.n_group)) {
       return absl::InvalidArgumentError("moe gate: inconsistent parameters");
     }
-    if ((router.dtype != DType::kBF16 && router.dtype != DType::kF32) || router.data == nullptr ||
-        router.rows != e || router.cols <= 0 || router.row_stride < router.cols) {
+    const bool quantized = cpu::IsQuantizedLinearDType(router.dtype);
+    if ((router.dtype != DType::kBF16 && router.dtype != DType::kF32 && !quantized) ||
+        router.data == nullptr || router.rows != e || router.cols <= 0 ||
+        router.row_stride < router.cols) {
       return absl::InvalidArgumentError(
-          absl::StrCat("moe gate: router must be BF16/F32 [", e, ", hidden]"));
+          absl::StrCat("moe gate: router must be BF16/F32 or a GGML block type [", e, ", hidden]"));
     }
+    if (quantized) HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(router, "moe gate router"));
     if (!bias.empty()) HMOE_RETURN_IF_ERROR(CheckVector(bias, e, "moe gate bias"));
     if (n < 0 || (n > 0 && (x == nullptr || ids == nullptr || weights == nullptr ||
                             x_stride < router.cols))) {
@@ -452,6 +483,17 @@ class CpuDevice final : public Device {
     Parallel([&](int thread, int threads) {
       const int64_t r0 = e * thread / threads;
       const int64_t r1 = e * (thread + 1) / threads;
+      if (quantized) {
+        // F32 math on the dequantized rows, as for an F32 router.
+        std::vector<float> row(static_cast<size_t>(router.cols));
+        for (int64_t r = r0; r < r1; ++r) {
+          cpu::DequantizeRow(internal::QuantizedView(router), r, row.data());
+          for (int64_t t = 0; t < n; ++t) {
+            logits[t * e + r] = cpu::DotF32(row.data(), x + t * x_stride, router.cols);
+          }
+        }
+        return;
+      }
       for (int64_t r = r0; r < r1; ++r) {
         const std::byte* row =
             static_cast<const std::byte*>(router.data) + r * router.row_stride * elem;

@@ -14,6 +14,7 @@
 #include "common/kernels/cpu/bf16_gemv.h"
 #include "common/kernels/cpu/fp8_gemm.h"
 #include "common/kernels/cpu/fp8_gemv.h"
+#include "common/ops/cpu/quantized_linear.h"
 
 namespace hmoe::internal {
 
@@ -29,8 +30,11 @@ struct CpuKernels {
 // Runs job(thread, num_threads) on every thread of the device's pool (or on the caller alone).
 using ParallelRunner = absl::FunctionRef<void(absl::FunctionRef<void(int, int)>)>;
 
-// InvalidArgument unless `w` is a usable FP8 / BF16 / F32 weight view.
+// InvalidArgument unless `w` is a usable FP8 / BF16 / F32 weight view, or F16 / a GGML block
+// type with whole blocks per row (cols and row_stride multiples of the block).
 absl::Status CheckLinearWeight(const LinearWeight& w, const char* what);
+// The view QuantizedLinearRows reads of a checked F16 / block-type weight.
+cpu::QuantizedMatrixView QuantizedView(const LinearWeight& w);
 
 // InvalidArgument unless `a` is a well-formed MLA call on any device (dimensions, q/out strides,
 // W_UK^T and kv_b shapes, cache view, segments). `partial`: MlaAttentionPartial, which neither

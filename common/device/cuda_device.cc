@@ -94,7 +94,19 @@ absl::StatusOr<ElemType> ElemTypeOf(DType dtype, const char* what) {
   }
 }
 
-// `w` already passed internal::CheckLinearWeight (so its dtype is FP8, BF16 or F32).
+// internal::CheckLinearWeight, with GGUF weights refused: the CUDA kernels read FP8, BF16 and F32
+// only. Unimplemented naming the dtype for F16 and the GGML block types (issue 18: dequantizing
+// them for the GPU is not done; GGUF models run on the CPU device).
+absl::Status CheckCudaWeight(const LinearWeight& w, const char* what) {
+  if (IsBlockDType(w.dtype) || w.dtype == DType::kF16) {
+    return absl::UnimplementedError(absl::StrCat(
+        what, ": ", std::string(DTypeName(w.dtype)),
+        " weights (GGUF) are not supported on a CUDA device yet; serve the model on the CPU"));
+  }
+  return internal::CheckLinearWeight(w, what);
+}
+
+// `w` already passed CheckCudaWeight (so its dtype is FP8, BF16 or F32).
 WeightDesc DescOf(const LinearWeight& w) {
   WeightDesc d;
   d.data = w.data;
@@ -336,6 +348,8 @@ absl::Status RunLinear(CudaStream& s, const LinearPlan& plan, std::byte* scratch
 // internal::CheckMlaAttentionArgs plus what the CUDA kernels add: W_UK^T heads of one dtype, row
 // indices that fit int32, and the attention kernel's shared-memory limits.
 absl::Status ValidateMla(const MlaAttentionArgs& a, bool partial) {
+  for (const LinearWeight& w : a.w_uk_t) HMOE_RETURN_IF_ERROR(CheckCudaWeight(w, "mla W_UK^T"));
+  if (!partial) HMOE_RETURN_IF_ERROR(CheckCudaWeight(a.kv_b, "mla kv_b"));
   HMOE_RETURN_IF_ERROR(internal::CheckMlaAttentionArgs(a, partial));
   const MlaDimensions& d = a.dims;
   for (const LinearWeight& w : a.w_uk_t) {
@@ -511,7 +525,7 @@ absl::Status RunMlaProject(CudaStream& s, const MlaDimensions& d, const LinearWe
   if (d.num_heads <= 0 || d.nope_dim <= 0 || d.v_dim <= 0 || d.kv_lora_rank <= 0 || n < 0) {
     return absl::InvalidArgumentError("mla projection: non-positive dimension");
   }
-  HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(kv_b_w, "mla projection kv_b"));
+  HMOE_RETURN_IF_ERROR(CheckCudaWeight(kv_b_w, "mla projection kv_b"));
   if (kv_b_w.rows < d.num_heads * (d.nope_dim + d.v_dim) || kv_b_w.cols != d.kv_lora_rank) {
     return absl::InvalidArgumentError("mla projection: kv_b has the wrong shape");
   }
@@ -632,7 +646,7 @@ class CudaDevice final : public Device {
 
   absl::Status Linear(Stream& s, const LinearWeight& w, const float* x, int64_t x_stride, int64_t n,
                       float* y, int64_t y_stride) override {
-    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(w, "linear"));
+    HMOE_RETURN_IF_ERROR(CheckCudaWeight(w, "linear"));
     if (n < 0 ||
         (n > 0 && (x == nullptr || y == nullptr || x_stride < w.cols || y_stride < w.rows))) {
       return absl::InvalidArgumentError(
@@ -705,6 +719,7 @@ class CudaDevice final : public Device {
 
   absl::Status EmbeddingGather(Stream& s, const LinearWeight& table, const int32_t* ids, int64_t n,
                                float* out) override {
+    if (IsBlockDType(table.dtype)) HMOE_RETURN_IF_ERROR(CheckCudaWeight(table, "embedding gather"));
     if ((table.dtype != DType::kBF16 && table.dtype != DType::kF32) || table.data == nullptr ||
         table.rows <= 0 || table.cols <= 0 || table.row_stride < table.cols || n < 0 ||
         (n > 0 && (ids == nullptr || out == nullptr))) {
@@ -725,12 +740,14 @@ class CudaDevice final : public Device {
         params.top_k > params.topk_group * (e / params.n_group)) {
       return absl::InvalidArgumentError("moe gate: inconsistent parameters");
     }
+    if (IsBlockDType(router.dtype))
+      HMOE_RETURN_IF_ERROR(CheckCudaWeight(router, "moe gate router"));
     if ((router.dtype != DType::kBF16 && router.dtype != DType::kF32) || router.data == nullptr ||
         router.rows != e || router.cols <= 0 || router.row_stride < router.cols) {
       return absl::InvalidArgumentError(
           absl::StrCat("moe gate: router must be BF16/F32 [", e, ", hidden]"));
     }
-    HMOE_RETURN_IF_ERROR(internal::CheckLinearWeight(router, "moe gate router"));
+    HMOE_RETURN_IF_ERROR(CheckCudaWeight(router, "moe gate router"));
     ElemType bias_type = ElemType::kF32;
     if (!bias.empty()) {
       HMOE_RETURN_IF_ERROR(CheckVector(bias, e, "moe gate bias"));

@@ -361,11 +361,12 @@ absl::Status MicroBatch::UploadStep(absl::Time start_time, int64_t num_sequences
   // Embedding: rows gathered on the host (the table lives in host memory), then copied.
   const TensorView& table = engine_->weights_->host_embedding();
   float* embed = dev.host_accessible() ? sc.h.as<float>() : sc.host_embed.data();
-  const size_t elem = DTypeSize(table.dtype);
+  // Bytes per row (whole blocks for a GGUF block type; ConvertToFloat dequantizes those).
+  const size_t row_bytes = DTypeBytes(table.dtype, k.hidden);
   for (int64_t t = 0; t < n; ++t) {
-    HMOE_RETURN_IF_ERROR(ConvertToFloat(
-        table.dtype, table.data + static_cast<size_t>(sc.host_tokens[t]) * k.hidden * elem,
-        static_cast<size_t>(k.hidden), embed + t * k.hidden));
+    HMOE_RETURN_IF_ERROR(
+        ConvertToFloat(table.dtype, table.data + static_cast<size_t>(sc.host_tokens[t]) * row_bytes,
+                       static_cast<size_t>(k.hidden), embed + t * k.hidden));
   }
   if (!dev.host_accessible()) {
     HMOE_RETURN_IF_ERROR(dev.CopyToDevice(st, sc.h.data(), embed,
@@ -698,7 +699,7 @@ absl::Status RunGroupedExperts(
       if (w->dtype == DType::kF8E4M3) {
         *weight_bytes += w->rows * w->cols + ((w->rows + 127) / 128) * ((w->cols + 127) / 128) * 4;
       } else {
-        *weight_bytes += w->rows * w->cols * static_cast<int64_t>(DTypeSize(w->dtype));
+        *weight_bytes += static_cast<int64_t>(DTypeBytes(w->dtype, w->rows * w->cols));
       }
     }
     return absl::OkStatus();

@@ -24,7 +24,7 @@ size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 size_t LinearBytes(const LinearWeight& w) {
-  return static_cast<size_t>((w.rows - 1) * w.row_stride + w.cols) * DTypeSize(w.dtype);
+  return DTypeBytes(w.dtype, (w.rows - 1) * w.row_stride + w.cols);
 }
 
 size_t ScaleBytes(const LinearWeight& w) {

@@ -22,7 +22,7 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 }
 
 size_t LinearBytes(const LinearWeight& w) {
-  return static_cast<size_t>(((w.rows - 1) * w.row_stride + w.cols)) * DTypeSize(w.dtype);
+  return DTypeBytes(w.dtype, (w.rows - 1) * w.row_stride + w.cols);
 }
 
 size_t ScaleFloats(const LinearWeight& w) {
@@ -63,8 +63,12 @@ absl::StatusOr<LinearWeight> LinearWeightOf(const Weight& w) {
   lw.rows = t.shape.size() == 2 ? t.shape[0] : 1;
   lw.cols = t.shape.size() == 2 ? t.shape[1] : t.shape[0];
   lw.row_stride = lw.cols;
-  if (static_cast<int64_t>(t.size_bytes) <
-      lw.rows * lw.cols * static_cast<int64_t>(DTypeSize(t.dtype))) {
+  if (IsBlockDType(t.dtype) && lw.cols % DTypeBlockElements(t.dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("weight ", t.name, ": rows of ", lw.cols,
+                                                   " are not whole ",
+                                                   std::string(DTypeName(t.dtype)), " blocks"));
+  }
+  if (t.size_bytes < DTypeBytes(t.dtype, lw.rows * lw.cols)) {
     return absl::InvalidArgumentError(absl::StrCat("weight ", t.name, ": too few bytes"));
   }
   switch (t.dtype) {
@@ -84,6 +88,12 @@ absl::StatusOr<LinearWeight> LinearWeightOf(const Weight& w) {
       return lw;
     }
     case DType::kBF16:
+    case DType::kF16:
+    case DType::kQ8_0:
+    case DType::kQ5_0:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K:
       return lw;
     case DType::kF32:
       if (reinterpret_cast<uintptr_t>(t.data) % alignof(float) != 0) {
@@ -92,9 +102,9 @@ absl::StatusOr<LinearWeight> LinearWeightOf(const Weight& w) {
       }
       return lw;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("weight ", t.name, ": dtype ",
-                                                     std::string(DTypeName(t.dtype)),
-                                                     " is not supported (FP8 E4M3, BF16, F32)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight ", t.name, ": dtype ", std::string(DTypeName(t.dtype)),
+          " is not supported (FP8 E4M3, BF16, F16, F32, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)"));
   }
 }
 
@@ -114,6 +124,12 @@ absl::StatusOr<AbsorbedUk> PrepareAbsorbedUk(const ModelConfig& config, const We
   const int64_t rkv = config.kv_lora_rank;
   const int64_t head_rows = dn + dv;
   HMOE_ASSIGN_OR_RETURN(const LinearWeight w, LinearWeightOf(kv_b));
+  if (IsBlockDType(w.dtype) || w.dtype == DType::kF16) {
+    // GGUF sources hand kv_b_proj over dequantized to F32 (GgufCheckpoint).
+    return absl::InvalidArgumentError(absl::StrCat("kv_b_proj ", kv_b.tensor.name, ": dtype ",
+                                                   std::string(DTypeName(w.dtype)),
+                                                   " is not supported (FP8, BF16 or F32)"));
+  }
   if (w.rows != nh * head_rows || w.cols != rkv) {
     return absl::InvalidArgumentError(absl::StrCat("kv_b_proj ", kv_b.tensor.name, ": shape [",
                                                    w.rows, ", ", w.cols, "], expected [",
@@ -260,8 +276,9 @@ absl::Status ResidentWeights::Load(const ModelConfig& c, const WeightSource& sou
 
   HMOE_ASSIGN_OR_RETURN(embedding_, source.GetTensor(std::string(kEmbedTokensName)));
   if (embedding_.dtype != DType::kBF16 && embedding_.dtype != DType::kF16 &&
-      embedding_.dtype != DType::kF32) {
-    return absl::InvalidArgumentError("embed_tokens: expected BF16/F16/F32");
+      embedding_.dtype != DType::kF32 && !IsBlockDType(embedding_.dtype)) {
+    return absl::InvalidArgumentError(
+        "embed_tokens: expected BF16/F16/F32 or a GGML block type (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)");
   }
   HMOE_ASSIGN_OR_RETURN(head_.head.final_norm, vector(std::string(kFinalNormName)));
   HMOE_ASSIGN_OR_RETURN(
@@ -304,9 +321,10 @@ absl::Status ResidentWeights::Load(const ModelConfig& c, const WeightSource& sou
       continue;
     }
     HMOE_ASSIGN_OR_RETURN(a.router, linear(name(lt::kRouterWeight)));
-    if (a.router.dtype != DType::kBF16 && a.router.dtype != DType::kF32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name(lt::kRouterWeight), ": the router must be BF16 or F32"));
+    if (a.router.dtype != DType::kBF16 && a.router.dtype != DType::kF32 &&
+        !IsBlockDType(a.router.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name(lt::kRouterWeight), ": the router must be BF16, F32 or a GGML block type"));
     }
     if (c.topk_method == "noaux_tc") {
       HMOE_ASSIGN_OR_RETURN(a.router_bias, vector(name(lt::kRouterBias)));

@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "common/model/gguf_quants.h"
+
 namespace hmoe {
 namespace {
 
@@ -22,6 +24,29 @@ constexpr DTypeInfo kDTypes[] = {
     {DType::kU8, "U8", 1},          {DType::kI16, "I16", 2},   {DType::kI32, "I32", 4},
     {DType::kI64, "I64", 8},        {DType::kBool, "BOOL", 1}, {DType::kF8E5M2, "F8_E5M2", 1},
 };
+
+struct BlockDTypeInfo {
+  DType type;
+  std::string_view name;
+  int64_t elements;
+  size_t bytes;
+  GgmlType ggml;
+};
+
+constexpr BlockDTypeInfo kBlockDTypes[] = {
+    {DType::kQ8_0, "Q8_0", 32, 34, GgmlType::kQ8_0},
+    {DType::kQ5_0, "Q5_0", 32, 22, GgmlType::kQ5_0},
+    {DType::kQ4_K, "Q4_K", 256, 144, GgmlType::kQ4_K},
+    {DType::kQ5_K, "Q5_K", 256, 176, GgmlType::kQ5_K},
+    {DType::kQ6_K, "Q6_K", 256, 210, GgmlType::kQ6_K},
+};
+
+const BlockDTypeInfo* BlockInfo(DType t) {
+  for (const BlockDTypeInfo& info : kBlockDTypes) {
+    if (info.type == t) return &info;
+  }
+  return nullptr;
+}
 
 float DecodeE4M3(uint8_t code) {
   const bool negative = (code & 0x80) != 0;
@@ -53,10 +78,69 @@ size_t DTypeSize(DType t) {
   return 0;
 }
 
+bool IsBlockDType(DType t) { return BlockInfo(t) != nullptr; }
+
+int64_t DTypeBlockElements(DType t) {
+  const BlockDTypeInfo* b = BlockInfo(t);
+  return b != nullptr ? b->elements : 1;
+}
+
+size_t DTypeBlockBytes(DType t) {
+  const BlockDTypeInfo* b = BlockInfo(t);
+  return b != nullptr ? b->bytes : DTypeSize(t);
+}
+
+bool TensorBytes(DType t, std::span<const int64_t> shape, uint64_t* bytes) {
+  const int64_t block = DTypeBlockElements(t);
+  if (block > 1 && (shape.empty() || shape.back() % block != 0)) return false;
+  unsigned __int128 n = DTypeBlockBytes(t);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) return false;
+    n *= static_cast<uint64_t>(i + 1 == shape.size() ? shape[i] / block : shape[i]);
+    if (n > std::numeric_limits<uint64_t>::max()) return false;
+  }
+  *bytes = static_cast<uint64_t>(n);
+  return true;
+}
+
+int GgmlTypeIdOf(DType t) {
+  if (const BlockDTypeInfo* b = BlockInfo(t); b != nullptr) return static_cast<int>(b->ggml);
+  switch (t) {
+    case DType::kF32:
+      return static_cast<int>(GgmlType::kF32);
+    case DType::kF16:
+      return static_cast<int>(GgmlType::kF16);
+    case DType::kBF16:
+      return static_cast<int>(GgmlType::kBF16);
+    default:
+      return -1;
+  }
+}
+
+absl::StatusOr<DType> DTypeOfGgmlTypeId(uint32_t ggml_type) {
+  switch (static_cast<GgmlType>(ggml_type)) {
+    case GgmlType::kF32:
+      return DType::kF32;
+    case GgmlType::kF16:
+      return DType::kF16;
+    case GgmlType::kBF16:
+      return DType::kBF16;
+    default:
+      break;
+  }
+  for (const BlockDTypeInfo& info : kBlockDTypes) {
+    if (static_cast<uint32_t>(info.ggml) == ggml_type) return info.type;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("ggml type ", GgmlTypeName(ggml_type),
+                   " is not supported (supported: F32, F16, BF16, Q8_0, Q5_0, Q4_K, Q5_K, Q6_K)"));
+}
+
 std::string_view DTypeName(DType t) {
   for (const DTypeInfo& info : kDTypes) {
     if (info.type == t) return info.name;
   }
+  if (const BlockDTypeInfo* b = BlockInfo(t); b != nullptr) return b->name;
   return "?";
 }
 
@@ -160,6 +244,9 @@ absl::Status ConvertToFloat(DType t, const void* src, size_t n, float* dst) {
       }
       return absl::OkStatus();
     default: {
+      if (const BlockDTypeInfo* b = BlockInfo(t); b != nullptr) {
+        return DequantizeGgml(static_cast<uint32_t>(b->ggml), src, static_cast<int64_t>(n), dst);
+      }
       const std::string_view name = DTypeName(t);
       return absl::InvalidArgumentError(absl::StrCat(
           "cannot convert dtype ", absl::string_view(name.data(), name.size()), " to float"));

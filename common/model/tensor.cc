@@ -32,7 +32,12 @@ absl::Status CheckViewSize(const TensorView& t) {
           "tensor \"", t.name, "\": negative dimension in shape ", ShapeString(t.shape)));
     }
   }
-  const size_t expected = static_cast<size_t>(t.num_elements()) * DTypeSize(t.dtype);
+  uint64_t expected = 0;
+  if (!TensorBytes(t.dtype, t.shape, &expected)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor \"", t.name, "\": shape ", ShapeString(t.shape), " of dtype ",
+                     DTypeStr(t.dtype), " is not whole blocks (or overflows)"));
+  }
   if (t.size_bytes != expected) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor \"", t.name, "\": ", t.size_bytes, " bytes, but shape ",

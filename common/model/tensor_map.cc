@@ -57,9 +57,10 @@ bool DTypeAllowed(TensorKind kind, DType dtype) {
   const bool float_type = dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32;
   switch (kind) {
     case TensorKind::kLinear:
-      return float_type || dtype == DType::kF8E4M3;
+      return float_type || dtype == DType::kF8E4M3 || IsBlockDType(dtype);
     case TensorKind::kEmbedding:
     case TensorKind::kRouter:
+      return float_type || IsBlockDType(dtype);  // GGUF models quantize them
     case TensorKind::kNorm:
       return float_type;
     case TensorKind::kBias:

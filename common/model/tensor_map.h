@@ -58,9 +58,10 @@ std::string SharedExpertTensorName(int64_t layer, std::string_view proj);
 
 // How a tensor is stored and what dtypes it may have.
 enum class TensorKind {
-  kLinear,     // 2-D [out, in] projection: F8_E4M3 with a "_scale_inv" sibling, or BF16/F16/F32
-  kEmbedding,  // embed_tokens / lm_head: BF16/F16/F32, never FP8 (DeepSeek does not quantize them)
-  kRouter,     // mlp.gate.weight [E, H]: BF16/F16/F32, never FP8
+  kLinear,     // 2-D [out, in] projection: F8_E4M3 with a "_scale_inv" sibling, or BF16/F16/F32,
+               // or a GGML block type (GGUF models)
+  kEmbedding,  // embed_tokens / lm_head: BF16/F16/F32 or a GGML block type, never FP8
+  kRouter,     // mlp.gate.weight [E, H]: BF16/F16/F32 or a GGML block type, never FP8
   kNorm,       // 1-D RMSNorm weight: BF16/F16/F32
   kBias,       // mlp.gate.e_score_correction_bias [E]: F32
 };

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
@@ -122,7 +123,27 @@ absl::StatusOr<Manifest> PlanLayout(const std::vector<TensorIndexEntry>& index,
       t.scale_name = e.name + std::string(kScaleSuffix);
     }
     const ExpertMatrix kind = ClassifyExpertTensor(e.name);
-    if (kind != ExpertMatrix::kNone && e.shape.size() == 2) {
+    if (kind != ExpertMatrix::kNone && IsBlockDType(e.dtype)) {
+      // GGML block-quantized experts (GGUF) are not split (a column slice of down_proj would cut
+      // blocks): expert x lies whole in the segment of slice x mod num_slices, so the experts
+      // still spread evenly over the nodes.
+      std::vector<absl::string_view> p = absl::StrSplit(AbslView(e.name), '.');
+      int64_t expert = 0;
+      if (p.size() > 5 && !absl::SimpleAtoi(p[5], &expert)) expert = 0;
+      const uint32_t k = static_cast<uint32_t>(expert % options.num_slices);
+      TensorPart part;
+      part.slice = k;
+      part.numa_node = options.slice_nodes[k];
+      part.segment = num_dense + k;
+      part.size_bytes = e.size_bytes;
+      part.shape = e.shape;
+      part.offset = cursors[part.segment].Place(e.size_bytes);
+      t.placement = Placement::kSliced;
+      t.parts.push_back(std::move(part));
+      t.contiguous = true;
+      t.segment = t.parts[0].segment;
+      t.offset = t.parts[0].offset;
+    } else if (kind != ExpertMatrix::kNone && e.shape.size() == 2) {
       const bool is_scale = EndsWith(e.name, kScaleSuffix);
       const int split_dim = kind == ExpertMatrix::kGateUp ? 0 : 1;
       const int64_t block = is_scale ? 1 : options.slice_block;

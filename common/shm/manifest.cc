@@ -13,7 +13,7 @@ namespace hmoe::shm {
 namespace {
 
 constexpr uint32_t kManifestMagic = 0x4d464d48;  // "HMFM"
-constexpr uint8_t kMaxDType = static_cast<uint8_t>(DType::kF8E5M2);
+constexpr uint8_t kMaxDType = static_cast<uint8_t>(DType::kQ6_K);
 
 class Writer {
  public:
@@ -89,15 +89,9 @@ class Reader {
   size_t pos_ = 0;
 };
 
-// Element count * dtype size, or nullopt on overflow.
+// The bytes of `shape` in `dtype` (whole blocks for a block type); false on overflow.
 bool ShapeBytes(const std::vector<int64_t>& shape, DType dtype, uint64_t& out) {
-  unsigned __int128 n = DTypeSize(dtype);
-  for (int64_t d : shape) {
-    n *= static_cast<uint64_t>(d);
-    if (n > std::numeric_limits<uint64_t>::max()) return false;
-  }
-  out = static_cast<uint64_t>(n);
-  return true;
+  return TensorBytes(dtype, shape, &out);
 }
 
 absl::Status CheckRange(const Manifest& m, uint32_t segment, uint64_t offset, uint64_t size,

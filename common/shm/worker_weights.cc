@@ -17,6 +17,14 @@ absl::Status CheckWeightSourceFlags(const std::string& model_dir, const std::str
 absl::StatusOr<WeightSourceHolder> OpenWeights(const std::string& model_dir,
                                                const std::string& instance) {
   WeightSourceHolder h;
+  if (!model_dir.empty() && IsGgufPath(model_dir)) {
+    absl::StatusOr<std::unique_ptr<GgufCheckpoint>> gguf = GgufCheckpoint::Open(model_dir);
+    if (!gguf.ok()) return gguf.status();
+    h.gguf = *std::move(gguf);
+    h.config = h.gguf->config();
+    h.description = model_dir;
+    return h;
+  }
   if (!model_dir.empty()) {
     absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(model_dir);
     if (!ckpt.ok()) return ckpt.status();

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_source.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor.h"
 #include "common/shm/weight_store.h"
@@ -19,6 +20,7 @@ namespace hmoe::shm {
 // The opened weights; keeps the source alive. Move-only (owns the source).
 struct WeightSourceHolder {
   std::unique_ptr<Checkpoint> checkpoint;  // set with a model directory
+  std::unique_ptr<GgufCheckpoint> gguf;    // set with a GGUF file (*.gguf)
   std::unique_ptr<WeightStore> store;      // set with a weightd instance
   ModelConfig config;
   // For logs and registration: the directory, or "weightd:<instance> (<model identity>)".
@@ -26,8 +28,9 @@ struct WeightSourceHolder {
 
   // The one source that is set.
   const WeightSource& source() const {
-    return checkpoint != nullptr ? static_cast<const WeightSource&>(*checkpoint)
-                                 : static_cast<const WeightSource&>(*store);
+    if (checkpoint != nullptr) return *checkpoint;
+    if (gguf != nullptr) return *gguf;
+    return *store;
   }
 };
 
@@ -35,7 +38,8 @@ struct WeightSourceHolder {
 // both flags unless exactly one is given.
 absl::Status CheckWeightSourceFlags(const std::string& model_dir, const std::string& instance);
 
-// Opens the checkpoint in `model_dir` when it is not empty, else attaches to the weightd
+// Opens the checkpoint in `model_dir` (a directory, or a GGUF file: GgufCheckpoint) when it is
+// not empty, else attaches to the weightd
 // `instance`. Errors of Checkpoint::Open and WeightStore::Attach; an instance whose config.json
 // does not parse keeps ModelConfig::FromJson's code with a message naming the instance;
 // InvalidArgument when both are empty.

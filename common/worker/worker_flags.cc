@@ -13,7 +13,8 @@
 #include "common/process/daemon.h"
 #include "common/process/socket_path.h"
 
-ABSL_FLAG(std::string, model, "", "checkpoint directory, opened directly (tests, CPU-only use)");
+ABSL_FLAG(std::string, model, "",
+          "checkpoint directory or GGUF file (*.gguf), opened directly (tests, CPU-only use)");
 ABSL_FLAG(std::string, weightd_instance, "", "attach to this hmoe-weightd instance's weights");
 ABSL_FLAG(std::string, socket, "", "unix socket to serve on (its directory must be 0700)");
 ABSL_FLAG(std::string, device, "cpu",

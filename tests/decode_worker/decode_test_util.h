@@ -30,9 +30,12 @@
 #include "common/device/cpu_device.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_source.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
 #include "decode_worker/forward_pass_step_engine.h"
 #include "tests/integration/temp_dir.h"
+#include "tools/gguf_f32_weights.h"
+#include "tools/gguf_model_writer.h"
 #include "tools/model_writer.h"
 
 namespace hmoe::decode::testing {
@@ -66,6 +69,40 @@ inline absl::Status WritePreset(const std::string& name, const std::string& dir)
   WriteOptions options;
   options.force = true;
   return WriteModel(*preset, dir, options);
+}
+
+// Writes preset `name` (seed 0, the same random weights as WritePreset) as a Q4_K_M GGUF
+// `dir`/model.gguf (hmoe-make-model --format gguf --quant q4_k_m); returns its path.
+inline absl::StatusOr<std::string> WriteGgufPreset(const std::string& name,
+                                                   const std::string& dir) {
+  absl::StatusOr<ModelPreset> preset = GetPreset(name);
+  if (!preset.ok()) return preset.status();
+  GgufWriteOptions options;
+  options.force = true;
+  options.mix = GgufQuantMix::kQ4_K_M;
+  if (absl::Status s = WriteGgufModel(*preset, dir, options); !s.ok()) return s;
+  return dir + "/model.gguf";
+}
+
+// The FP32 reference forward on the dequantized weights of the GGUF at `path` (issue 18's
+// oracle: what the served quantized model must agree with), and the GGUF's config.
+struct GgufReference {
+  ModelConfig config;
+  std::unique_ptr<reference::ReferenceModel> model;
+};
+inline absl::StatusOr<GgufReference> MakeGgufReference(const std::string& path) {
+  absl::StatusOr<std::unique_ptr<GgufCheckpoint>> gguf = GgufCheckpoint::Open(path);
+  if (!gguf.ok()) return gguf.status();
+  GgufReference r;
+  r.config = (*gguf)->config();
+  absl::StatusOr<std::unique_ptr<InMemoryWeightSource>> f32 =
+      LoadGgufAsF32Weights(r.config, (*gguf)->model());
+  if (!f32.ok()) return f32.status();
+  absl::StatusOr<std::unique_ptr<reference::ReferenceModel>> ref =
+      reference::ReferenceModel::Create(r.config, **f32);
+  if (!ref.ok()) return ref.status();
+  r.model = *std::move(ref);
+  return r;
 }
 
 struct Agreement {

@@ -270,5 +270,36 @@ TEST(ConvertToFloatTest, RejectsIntegerTypes) {
   EXPECT_THAT(s.message(), HasSubstr("I32"));
 }
 
+TEST(BlockDTypeTest, SizesAndGgmlIdsOfTheGgufBlockTypes) {
+  EXPECT_TRUE(IsBlockDType(DType::kQ4_K));
+  EXPECT_FALSE(IsBlockDType(DType::kBF16));
+  EXPECT_EQ(DTypeSize(DType::kQ4_K), 0u);  // no per-element size
+  EXPECT_EQ(DTypeBlockElements(DType::kQ4_K), 256);
+  EXPECT_EQ(DTypeBytes(DType::kQ4_K, 512), 288u);
+  EXPECT_EQ(DTypeBytes(DType::kQ6_K, 256), 210u);
+  EXPECT_EQ(DTypeBytes(DType::kQ8_0, 64), 68u);
+  EXPECT_EQ(DTypeBytes(DType::kQ5_0, 32), 22u);
+  EXPECT_EQ(DTypeBytes(DType::kQ5_K, 256), 176u);
+  EXPECT_EQ(DTypeBytes(DType::kBF16, 3), 6u);
+  uint64_t bytes = 0;
+  EXPECT_TRUE(TensorBytes(DType::kQ4_K, std::vector<int64_t>{3, 512}, &bytes));
+  EXPECT_EQ(bytes, 3u * 288u);
+  EXPECT_FALSE(TensorBytes(DType::kQ4_K, std::vector<int64_t>{3, 300}, &bytes));  // not whole
+  EXPECT_TRUE(TensorBytes(DType::kF32, std::vector<int64_t>{2, 3}, &bytes));
+  EXPECT_EQ(bytes, 24u);
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16, DType::kQ8_0, DType::kQ5_0, DType::kQ4_K,
+                  DType::kQ5_K, DType::kQ6_K}) {
+    auto back = DTypeOfGgmlTypeId(static_cast<uint32_t>(GgmlTypeIdOf(t)));
+    ASSERT_TRUE(back.ok()) << DTypeName(t);
+    EXPECT_EQ(*back, t);
+  }
+  EXPECT_EQ(GgmlTypeIdOf(DType::kF8E4M3), -1);
+  const auto q4_0 = DTypeOfGgmlTypeId(2);
+  EXPECT_TRUE(absl::IsInvalidArgument(q4_0.status()));
+  EXPECT_THAT(q4_0.status().message(), HasSubstr("Q4_0"));
+  EXPECT_EQ(DTypeName(DType::kQ6_K), "Q6_K");
+  EXPECT_FALSE(ParseDType("Q4_K").ok());  // never a safetensors dtype
+}
+
 }  // namespace
 }  // namespace hmoe

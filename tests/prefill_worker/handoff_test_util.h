@@ -36,18 +36,39 @@ inline constexpr int kTokens = 64;
 // What the tests of a suite share: a temp dir, the model they serve and its reference.
 struct HandOffEnv {
   decode::testing::ScopedTempDir dir;
-  std::string model;
-  std::unique_ptr<Checkpoint> checkpoint;
+  std::string model;  // the checkpoint directory, or the .gguf file
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> checkpoint;  // null for a GGUF
   std::unique_ptr<reference::ReferenceModel> reference;
 };
 
 // A temp dir holding model preset `preset` (written there) and its reference forward pass; null
-// (with a test failure) when any step fails.
+// (with a test failure) when any step fails. "<preset>-gguf" writes the preset as a Q4_K_M GGUF
+// (hmoe-make-model --format gguf --quant q4_k_m) and takes the FP32 reference on its dequantized
+// weights (issue 18).
 inline std::unique_ptr<HandOffEnv> MakeHandOffEnv(const std::string& preset) {
   auto env = std::make_unique<HandOffEnv>();
   if (env->dir.path().empty()) {
     ADD_FAILURE() << "no temp dir";
     return nullptr;
+  }
+  if (preset.ends_with("-gguf")) {
+    absl::StatusOr<std::string> path = decode::testing::WriteGgufPreset(
+        preset.substr(0, preset.size() - 5), env->dir.File(preset));
+    if (!path.ok()) {
+      ADD_FAILURE() << "write " << preset << ": " << path.status();
+      return nullptr;
+    }
+    env->model = *path;
+    absl::StatusOr<decode::testing::GgufReference> ref =
+        decode::testing::MakeGgufReference(env->model);
+    if (!ref.ok()) {
+      ADD_FAILURE() << ref.status();
+      return nullptr;
+    }
+    env->config = ref->config;
+    env->reference = std::move(ref->model);
+    return env;
   }
   env->model = env->dir.File(preset);
   if (absl::Status s = decode::testing::WritePreset(preset, env->model); !s.ok()) {
@@ -60,6 +81,7 @@ inline std::unique_ptr<HandOffEnv> MakeHandOffEnv(const std::string& preset) {
     return nullptr;
   }
   env->checkpoint = *std::move(ckpt);
+  env->config = env->checkpoint->config();
   auto ref = reference::ReferenceModel::Create(env->checkpoint->config(), *env->checkpoint);
   if (!ref.ok()) {
     ADD_FAILURE() << ref.status();

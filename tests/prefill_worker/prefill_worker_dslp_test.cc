@@ -14,6 +14,7 @@
 // tests/dslp/dslp_test.cc runs the same comparison on rank processes that do, and verifies that
 // every token beyond the tolerance is such a routing flip (docs/dslp.md "Numerics").
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -76,7 +77,9 @@ Stack* GetStack(const std::string& preset) {
   auto stack = std::make_unique<Stack>();
   stack->env = testing::MakeHandOffEnv(preset);
   if (stack->env == nullptr) return nullptr;
-  for (int i = 0; i < kMaxWorkers; ++i) {
+  // The GGUF cases use S = 2 only.
+  const int workers = preset.ends_with("-gguf") ? 2 : kMaxWorkers;
+  for (int i = 0; i < workers; ++i) {
     // A unique worker id per process of this binary (exports are hmoe-kv-<id>-*; a worker
     // removes its id's leftovers at start-up, and ctest may run binaries concurrently).
     auto p = Process::Start(*stack->env, kPrefillWorker, absl::StrCat(preset, "-prefill-", i),
@@ -95,7 +98,7 @@ Stack* GetStack(const std::string& preset) {
 // The F32 payload of a hand-off (a copy: the worker frees the buffer on Release).
 absl::StatusOr<std::vector<float>> ReadHandOff(const HandOffEnv& env,
                                                const v1::PrefillResponse& r) {
-  const ModelConfig& c = env.checkpoint->config();
+  const ModelConfig& c = env.config;
   KvHandoffShape shape;
   shape.num_layers = static_cast<uint32_t>(c.num_hidden_layers);
   shape.kv_lora_rank = static_cast<uint32_t>(c.kv_lora_rank);
@@ -120,7 +123,9 @@ struct Case {
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  return absl::StrCat(info.param.preset, "_S", info.param.world, "_",
+  std::string preset = info.param.preset;  // "tiny-gguf" -> "tiny_gguf" (a test name)
+  std::replace(preset.begin(), preset.end(), '-', '_');
+  return absl::StrCat(preset, "_S", info.param.world, "_",
                       info.param.mode == v1::EP_MODE_STANDARD ? "standard" : "small_ep", "_N",
                       info.param.prompt_len);
 }
@@ -139,7 +144,7 @@ TEST_P(PrefillWorkerDslpTest, MatchesSingleWorkerSlpAndTheDecodeWorkerContinuesI
   Stack* stack = GetStack(c.preset);
   ASSERT_NE(stack, nullptr);
   const HandOffEnv& env = *stack->env;
-  const ModelConfig& config = env.checkpoint->config();
+  const ModelConfig& config = env.config;
   // Prompt seed 7. The agreement rule's margin tolerance does not cover the engine's own routing
   // flips (docs/decode_worker.md): with seed 5 at N = 45 on tiny, step 1 of the continuation
   // diverges by 0.63 logits although the DSLP cache is bit-identical to SLP's, i.e. single-worker
@@ -234,6 +239,17 @@ INSTANTIATE_TEST_SUITE_P(Tiny, PrefillWorkerDslpTest,
                                            Case{"tiny", 2, v1::EP_MODE_SMALL_EP, 45},
                                            Case{"tiny", 3, v1::EP_MODE_STANDARD, 37},
                                            Case{"tiny", 3, v1::EP_MODE_SMALL_EP, 37}),
+                         CaseName);
+
+// Issue 18 acceptance 2 (prefill half): the same on Q4_K_M GGUFs (prefill and decode workers
+// reading the .gguf), against the FP32 reference on the GGUF's dequantized weights: SLP, DSLP in
+// both EP modes, and the decode worker continuing.
+INSTANTIATE_TEST_SUITE_P(TinyGguf, PrefillWorkerDslpTest,
+                         ::testing::Values(Case{"tiny-gguf", 2, v1::EP_MODE_STANDARD, 45},
+                                           Case{"tiny-gguf", 2, v1::EP_MODE_SMALL_EP, 45}),
+                         CaseName);
+INSTANTIATE_TEST_SUITE_P(SmallGguf, PrefillWorkerDslpTest,
+                         ::testing::Values(Case{"small-gguf", 2, v1::EP_MODE_STANDARD, 101}),
                          CaseName);
 
 INSTANTIATE_TEST_SUITE_P(Small, PrefillWorkerDslpTest,

@@ -30,6 +30,7 @@
 #include "tests/integration/child_process.h"
 #include "tests/integration/temp_dir.h"
 #include "tests/router/http_client.h"
+#include "tools/gguf_model_writer.h"
 #include "tools/model_writer.h"
 
 #include "gtest/gtest.h"
@@ -334,6 +335,32 @@ TEST_F(RouterHttpTest, HealthModelsChatAndCompletions) {
   EXPECT_EQ(c.ReadResponse().status, 200);
   ASSERT_TRUE(c.SendRequest("POST", "/v1/chat/completions", kChat));
   EXPECT_EQ(c.ReadResponse().status, 200);
+}
+
+// --model FILE.gguf (issue 18): the limits, tokenizer and chat template come from the GGUF's
+// metadata and behave as the checkpoint directory's (the GGUF of tiny is written from the same
+// tokenizer.json and tokenizer_config.json).
+TEST_F(RouterHttpTest, AGgufModelGivesTheTokenizerAndChatTemplateOfItsMetadata) {
+  absl::StatusOr<ModelPreset> preset = GetPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  ASSERT_TRUE(WriteGgufModel(*preset, dir_ + "/gguf", GgufWriteOptions{}).ok());
+  const int port = StartRouter({"--model=" + dir_ + "/gguf/model.gguf"});
+  ASSERT_GT(port, 0);
+  RegisterWorker();
+  HttpResponse r = HttpCall(port, "GET", "/v1/models");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Parse(r.body)["data"][0]["id"], "model.gguf");
+  EXPECT_EQ(Parse(r.body)["data"][0]["max_model_len"], preset->config.max_position_embeddings);
+  json chat = Parse(kChat);
+  chat["model"] = "model.gguf";
+  r = HttpCall(port, "POST", "/v1/chat/completions", chat.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Parse(r.body)["choices"][0]["message"]["content"],
+            "<｜begin▁of▁sentence｜><｜User｜>Hello there<｜Assistant｜>");
+  r = HttpCall(port, "POST", "/v1/completions",
+               R"({"prompt":"The quick brown fox","max_tokens":100})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(Parse(r.body)["choices"][0]["text"], "<｜begin▁of▁sentence｜>The quick brown fox");
 }
 
 // A template whose generation prompt opens <think>: the echoed prompt is "thought" up to the

@@ -248,6 +248,11 @@ TEST_F(DeployConfigTest, RejectsWhatSupervisordWouldMisread) {
   o.model_dir = dir_;  // no config.json
   EXPECT_EQ(Resolve(o).status().code(), absl::StatusCode::kFailedPrecondition);
   o = Options();
+  o.model_dir = dir_ + "/missing.gguf";  // a GGUF path must be a file
+  s = Resolve(o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "GGUF")) << s;
+  o = Options();
   o.bin.router.clear();
   s = Resolve(o).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
@@ -255,6 +260,20 @@ TEST_F(DeployConfigTest, RejectsWhatSupervisordWouldMisread) {
   o = Options();
   o.instance = "bad/name";
   EXPECT_EQ(Resolve(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(DeployConfigTest, AGgufFileIsTheModelOfWeightdAndTheRouter) {
+  DeployOptions o = Options();
+  o.model_dir = dir_ + "/model-00001-of-00002.gguf";
+  std::ofstream(o.model_dir) << "GGUF";  // Resolve checks only that it is a file
+  absl::StatusOr<DeployOptions> r = Resolve(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string conf = RenderSupervisordConf(*r);
+  EXPECT_TRUE(absl::StrContains(conf, "--model " + o.model_dir)) << conf;
+  o.gpus = 1;  // the CUDA device refuses GGML block types
+  const absl::Status s = Resolve(o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(s.message(), "--gpus 0")) << s;
 }
 
 TEST_F(DeployConfigTest, WriteCreatesAnOwnerOnlyRunDirAndTheConf) {

@@ -21,10 +21,14 @@
 #include <gtest/gtest.h>
 
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_source.h"
+#include "common/model/tensor_map.h"
 #include "common/shm/control_segment.h"
 #include "common/shm/layout.h"
 #include "common/shm/weight_store.h"
 #include "tests/weightd/test_checkpoint.h"
+#include "tools/gguf_model_writer.h"
+#include "tools/model_writer.h"
 
 namespace hmoe::weightd {
 namespace {
@@ -190,6 +194,50 @@ TEST_F(WeightDaemonTest, TwoSlicesReassembleToTheOriginalTensorsExactly) {
   // 1 MoE layer x 4 experts x 3 matrices x (weight + scale).
   EXPECT_EQ(sliced, 24);
   EXPECT_TRUE(daemon->Shutdown(true).ok());
+}
+
+// Issue 18: a GGUF is served in its GGUF encoding (block-type tensors byte for byte as the file
+// holds them; kv_b_proj dequantized), the GGUF's config as the store's config.json, in two NUMA
+// slices (whole experts per slice), and adopted on restart.
+TEST_F(WeightDaemonTest, AGgufIsServedInItsGgufEncodingAndAdopted) {
+  absl::StatusOr<ModelPreset> preset = GetPreset("tiny");
+  ASSERT_TRUE(preset.ok());
+  ASSERT_TRUE(WriteGgufModel(*preset, dir_.File("gguf"), GgufWriteOptions{}).ok());
+  DaemonOptions o = Options();
+  o.model_dir = dir_.File("gguf/model.gguf");
+  o.numa_slices = 2;
+  std::unique_ptr<WeightDaemon> daemon = StartDaemon(o);
+  ASSERT_NE(daemon, nullptr);
+  absl::StatusOr<std::unique_ptr<GgufCheckpoint>> gguf = GgufCheckpoint::Open(o.model_dir);
+  ASSERT_TRUE(gguf.ok()) << gguf.status();
+  EXPECT_EQ(daemon->status().bytes_loaded, (*gguf)->total_tensor_bytes());
+  absl::StatusOr<std::unique_ptr<shm::WeightStore>> store = shm::WeightStore::Attach(instance_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->manifest().config_json, (*gguf)->config_json());
+  EXPECT_EQ((*store)->TensorNames(), (*gguf)->TensorNames());
+  int block_tensors = 0;
+  for (const std::string& name : (*gguf)->TensorNames()) {
+    absl::StatusOr<TensorView> want = (*gguf)->GetTensor(name);
+    absl::StatusOr<TensorView> got = (*store)->GetTensor(name);
+    ASSERT_TRUE(want.ok() && got.ok()) << name;
+    EXPECT_EQ(got->dtype, want->dtype) << name;
+    EXPECT_EQ(got->shape, want->shape) << name;
+    EXPECT_TRUE(SameBytes(Bytes(*got), Bytes(*want))) << name;
+    block_tensors += IsBlockDType(got->dtype) ? 1 : 0;
+  }
+  EXPECT_GT(block_tensors, 100);
+  // Experts 0 and 1 of a layer lie whole in the two slices.
+  const shm::TensorEntry* e0 = (*store)->manifest().Find(ExpertTensorName(1, 0, kGateProj));
+  const shm::TensorEntry* e1 = (*store)->manifest().Find(ExpertTensorName(1, 1, kGateProj));
+  ASSERT_TRUE(e0 != nullptr && e1 != nullptr);
+  ASSERT_EQ(e0->parts.size(), 1u);
+  EXPECT_NE(e0->parts[0].segment, e1->parts[0].segment);
+  daemon.reset();  // dies without Shutdown
+  std::unique_ptr<WeightDaemon> second = StartDaemon(o);
+  ASSERT_NE(second, nullptr);
+  EXPECT_TRUE(second->status().adopted);
+  EXPECT_EQ(second->status().bytes_read_from_checkpoint, 0u);
+  EXPECT_TRUE(second->Shutdown(true).ok());
 }
 
 TEST_F(WeightDaemonTest, RestartAdoptsWithoutReadingTheCheckpoint) {
