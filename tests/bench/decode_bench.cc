@@ -13,7 +13,11 @@
 //   the `small` checkpoint)
 //   decode_bench --model=DIR --prefill=512 --step-tokens=512 --benchmark_filter=Prefill
 //     (one 512-token chunk; --gemm-min-tokens=N sets CpuDeviceOptions::fp8_gemm_min_tokens, e.g.
-//     a huge N for the GEMV-only baseline in the same binary)
+//     a huge N for the GEMV-only baseline in the same binary; it sets only this bench's device:
+//     the engine's host device, which runs the CPU experts, keeps the default)
+//   ... --profile: also the prefill's time and GFLOP per op class (bench::ProfilingDevice); the
+//     prefill rows print frac_of_peak (GFLOP per CPU-second over the register-only peak of the
+//     GEMM's instruction mix measured in the same run)
 //
 // Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
 // --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark
