@@ -134,13 +134,10 @@ void AttendRun(const MlaAttentionArgs& a, const MlaSegment& seg, const MlaKeyRan
       row_sum[r] += sum;
     }
     // u += p c over the latent part of the keys.
+    // Four rows at a time, the tile's keys in order (bitwise the same as one Axpy4F32 per key).
     r = 0;
     for (; r + 4 <= count; r += 4) {
-      for (int64_t j = j0; j < nk; ++j) {
-        const float p[4] = {scores[r * tile + j], scores[(r + 1) * tile + j],
-                            scores[(r + 2) * tile + j], scores[(r + 3) * tile + j]};
-        cpu::Axpy4F32(p, key[j], acc + r * rkv, rkv, rkv);
-      }
+      cpu::AxpyTile4F32(scores + r * tile + j0, tile, key + j0, nk - j0, acc + r * rkv, rkv, rkv);
     }
     for (; r < count; ++r) {
       for (int64_t j = j0; j < nk; ++j) {

@@ -13,11 +13,17 @@
 //   the `small` checkpoint)
 //   decode_bench --model=DIR --prefill=512 --step-tokens=512 --benchmark_filter=Prefill
 //     (one 512-token chunk; --gemm-min-tokens=N sets CpuDeviceOptions::fp8_gemm_min_tokens, e.g.
-//     a huge N for the GEMV-only baseline in the same binary)
+//     a huge N for the GEMV-only baseline in the same binary; it sets only this bench's device:
+//     the engine's host device, which runs the CPU experts, keeps the default)
+//   ... --profile: also the prefill's time and GFLOP per op class (bench::ProfilingDevice); the
+//     prefill rows print frac_of_peak (GFLOP per CPU-second over the register-only peak of the
+//     GEMM's instruction mix measured in the same run)
 //
 // Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
 // --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark
 // prints a note and exits 0.
+
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
@@ -39,11 +45,13 @@
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
 #include "common/engine/weights.h"
+#include "common/kernels/cpu/fp8_gemm.h"
 #include "common/model/checkpoint.h"
 #include "common/model/tensor_map.h"
 #include "decode_worker/forward_pass_step_engine.h"
 #include "decode_worker/step_runner.h"
 #include "tests/bench/bench_util.h"
+#include "tests/bench/profiling_device.h"
 
 namespace hmoe {
 namespace {
@@ -53,6 +61,10 @@ bool g_in_place = false;
 int g_steps = 24;
 int64_t g_step_tokens = 64;      // EngineOptions::max_step_tokens
 int64_t g_gemm_min_tokens = -1;  // CpuDeviceOptions::fp8_gemm_min_tokens
+// --profile: BM_Prefill runs the experts on the engine's device (ExpertPlacement::kDevice: the
+// same grouped path and kernels as the host device) wrapped in a bench::ProfilingDevice, and
+// prints the time per op class.
+bool g_profile = false;
 
 // Every tensor of a WeightSource copied into one huge-page buffer (as weightd lays them out).
 class HugePageWeights final : public WeightSource {
@@ -156,6 +168,10 @@ Engine& EngineForThreads(int threads) {
     device_options.pool = &pool;
     device_options.fp8_gemm_min_tokens = g_gemm_min_tokens;
     s.devices[threads] = NewCpuDevice(device_options);
+    if (g_profile) {
+      s.devices[threads] = std::make_unique<bench::ProfilingDevice>(std::move(s.devices[threads]),
+                                                                    s.checkpoint->config());
+    }
     const WeightSource& source =
         s.copy != nullptr ? static_cast<const WeightSource&>(*s.copy) : *s.checkpoint;
     ResidentWeightsOptions weight_options;
@@ -166,6 +182,7 @@ Engine& EngineForThreads(int threads) {
     s.weights[threads] = std::move(*weights);
     EngineOptions options;
     options.max_step_tokens = g_step_tokens;
+    if (g_profile) options.experts = ExpertPlacement::kDevice;
     auto engine = Engine::Create(s.checkpoint->config(), *s.weights[threads], *s.devices[threads],
                                  pool, options);
     HMOE_CHECK_OK(engine.status());
@@ -366,6 +383,58 @@ void BM_DecodeStepRunner(benchmark::State& state) {
   state.counters["dual_steps"] = (*runner)->last_split().dual ? 1 : 0;
 }
 
+// FLOPs (2 per weight multiply applied) of a prefill of `length` tokens from an empty cache in
+// chunks of `chunk`: projections, absorbed MLA attention (W_UK^T q, scores over the latent and
+// rope parts, the latent sum, W_UV), the dense MLP or the routed + shared experts and their
+// router, and the head for the last token only.
+double PrefillFlops(const ModelConfig& c, int64_t length) {
+  const double h = static_cast<double>(c.hidden_size);
+  const double nh = static_cast<double>(c.num_attention_heads);
+  const double rq = static_cast<double>(c.q_lora_rank.value_or(0));
+  const double rkv = static_cast<double>(c.kv_lora_rank);
+  const double dq = static_cast<double>(c.qk_head_dim());
+  // Keys seen: token i (0-based) sees i + 1 keys, whatever the chunking.
+  const double keys = static_cast<double>(length) * (length + 1) / 2;
+  double per_token = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    per_token += rq > 0 ? h * rq + rq * nh * dq : h * nh * dq;
+    per_token += h * (rkv + c.qk_rope_head_dim);
+    per_token += nh * c.v_head_dim * h;
+    per_token += nh * 2 * rkv * c.qk_nope_head_dim;  // W_UK^T q and W_UV u per head
+    if (c.is_moe_layer(l)) {
+      per_token += 3.0 * h * c.moe_intermediate_size *
+                   static_cast<double>(c.num_experts_per_tok + c.n_shared_experts);
+      per_token += h * c.n_routed_experts;
+    } else {
+      per_token += 3.0 * h * c.intermediate_size;
+    }
+  }
+  const double attention =
+      static_cast<double>(c.num_hidden_layers) * nh * keys * (2 * rkv + c.qk_rope_head_dim);
+  return 2.0 * (per_token * length + attention + h * c.vocab_size);
+}
+
+// The register-only peak (GFLOP per CPU-second of the calling thread) of `mix`, best of 3.
+double CpuPeakGflops(bench::Mix mix) {
+  if (!bench::MixSupported(mix)) return 0;
+  constexpr int64_t kIters = 1 << 20;
+  static volatile float sink = 0;
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const double t0 = bench::ThreadCpuSeconds();
+    sink = sink + bench::RunPeakLoop(mix, kIters);
+    const double t = bench::ThreadCpuSeconds() - t0;
+    best = std::max(best, bench::kPeakAcc * bench::OpsPerInstruction(mix) * kIters / t * 1e-9);
+  }
+  return best;
+}
+
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 // Prefill of one prompt of state.range(1) tokens from an empty cache (Engine::Forward splits it
 // into steps of max_step_tokens); reports tokens/s and the device's peak scratch + KV bytes.
 void BM_Prefill(benchmark::State& state) {
@@ -379,19 +448,69 @@ void BM_Prefill(benchmark::State& state) {
   HMOE_CHECK_OK(cache.status());
   std::vector<int32_t> prompt(length);
   for (int64_t i = 0; i < length; ++i) prompt[i] = static_cast<int32_t>((i * 7919) % 3000);
+  auto* profiler = dynamic_cast<bench::ProfilingDevice*>(&device);
+  if (profiler != nullptr) {
+    profiler->Reset();
+    profiler->set_step_tokens(std::min(length, g_step_tokens));
+  }
+  // The peak of the GEMM's instruction mix, by the main thread's CPU clock, right before and
+  // after the prefill (the larger is used: load only lowers it).
+  const bench::Mix mix = bench::MixOf(cpu::DefaultFp8Gemm().isa());
+  double peak = CpuPeakGflops(mix);
   double seconds = 0;
+  double cpu_seconds = 0;
+  double process_cpu_seconds = 0;
   for (auto _ : state) {
     KvSequence seq = (*cache)->NewSequence();
     device.ResetPeakBytes();
     SequenceInput in{&seq, prompt, true};
+    const double cpu0 = bench::ThreadCpuSeconds();
+    const double process0 = ProcessCpuSeconds();
     const auto start = std::chrono::steady_clock::now();
     auto out = engine.Forward(std::span<const SequenceInput>(&in, 1));
     const auto end = std::chrono::steady_clock::now();
+    cpu_seconds += bench::ThreadCpuSeconds() - cpu0;
+    process_cpu_seconds += ProcessCpuSeconds() - process0;
     HMOE_CHECK_OK(out.status());
     seconds += std::chrono::duration<double>(end - start).count();
     state.SetIterationTime(std::chrono::duration<double>(end - start).count());
   }
   state.counters["tok_per_s"] = static_cast<double>(length) * state.iterations() / seconds;
+  // The main thread's CPU time: with other processes on the cores, what it computed per second
+  // it ran (with 2 threads it does about half of the work).
+  state.counters["main_cpu_s"] = cpu_seconds / state.iterations();
+  // Every thread's CPU time (the pool's threads spin briefly at barriers: counted, as lost work).
+  state.counters["process_cpu_s"] = process_cpu_seconds / state.iterations();
+  peak = std::max(peak, CpuPeakGflops(mix));
+  const double flops = PrefillFlops(engine.config(), length) * state.iterations();
+  state.counters["peak_gflops_per_core"] = peak;
+  state.SetLabel(bench::MixName(mix));
+  // GFLOP per CPU-second of all threads over the per-core peak: the fraction of the peak the
+  // cores reached while they ran this prefill (acceptance 2 of issue 15).
+  state.counters["frac_of_peak"] = flops / process_cpu_seconds * 1e-9 / peak;
+  state.counters["GFLOP_per_cpu_s"] = flops / process_cpu_seconds * 1e-9;
+  if (profiler != nullptr) {
+    double wall = 0, cpu = 0, op_flops = 0;
+    for (const auto& [what, t] : profiler->times()) {
+      wall += t.wall_s;
+      cpu += t.cpu_s;
+      op_flops += t.flops;
+    }
+    std::printf("prefill of %lld tokens, %d thread(s): %.2f s wall, %.2f s main-thread CPU\n",
+                static_cast<long long>(length), threads, seconds, cpu_seconds);
+    std::printf("%-28s %8s %7s %8s %7s %9s %10s\n", "op class", "wall s", "wall %", "cpu s",
+                "cpu %", "GFLOP", "GFLOP/cpu-s");
+    for (const auto& [what, t] : profiler->times()) {
+      std::printf("%-28s %8.3f %6.1f%% %8.3f %6.1f%% %9.1f %10.1f\n", what.c_str(), t.wall_s,
+                  100 * t.wall_s / seconds, t.cpu_s, 100 * t.cpu_s / cpu_seconds, t.flops * 1e-9,
+                  t.cpu_s > 0 ? t.flops * 1e-9 / t.cpu_s : 0.0);
+    }
+    std::printf("%-28s %8.3f %6.1f%% %8.3f %6.1f%% %9.1f\n", "(outside device ops)", seconds - wall,
+                100 * (seconds - wall) / seconds, cpu_seconds - cpu,
+                100 * (cpu_seconds - cpu) / cpu_seconds, 0.0);
+    std::printf("(device ops counted %.1f GFLOP; the model count is %.1f)\n", op_flops * 1e-9,
+                PrefillFlops(engine.config(), length) * 1e-9);
+  }
   state.counters["device_peak_MB"] = static_cast<double>(device.peak_bytes_in_use()) * 1e-6;
 }
 
@@ -414,6 +533,8 @@ int main(int argc, char** argv) {
       hmoe::g_steps = std::atoi(arg.c_str() + 8);
     } else if (arg.rfind("--step-tokens=", 0) == 0) {
       hmoe::g_step_tokens = std::atoll(arg.c_str() + 14);
+    } else if (arg == "--profile") {
+      hmoe::g_profile = true;
     } else if (arg.rfind("--gemm-min-tokens=", 0) == 0) {
       hmoe::g_gemm_min_tokens = std::atoll(arg.c_str() + 18);
     } else {

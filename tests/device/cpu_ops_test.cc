@@ -35,11 +35,15 @@ TEST(CpuIsaOverrideTest, Bf16AndF32OpsFollowTheFp8Choice) {
   if (env != nullptr && (std::strcmp(env, "avx2") == 0 || std::strcmp(env, "scalar") == 0)) {
     EXPECT_EQ(CpuIsaName(isa), env);
     EXPECT_FALSE(F32OpsUseAvx512());
+    EXPECT_EQ(F32OpsIsa(), isa);  // the AVX2 F32 ops, not the portable loops, under avx2
   }
   // The BF16 GEMV has no AVX2 variant: AVX2 machines (and forced AVX2) use the scalar one.
   EXPECT_EQ(DefaultBf16Gemv().isa(), isa == CpuIsa::kAvx2 ? CpuIsa::kScalar : isa);
   if (isa >= CpuIsa::kAvx512) {
     EXPECT_TRUE(F32OpsUseAvx512());
+    EXPECT_EQ(F32OpsIsa(), CpuIsa::kAvx512);
+  } else if (isa == CpuIsa::kAvx2) {
+    EXPECT_NE(F32OpsIsa(), CpuIsa::kScalar);
   }
 }
 
@@ -88,6 +92,148 @@ TEST_P(Bf16GemvTest, MatchesPlainLoop) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, Bf16GemvTest,
                          ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16),
+                         [](const auto& info) { return std::string(CpuIsaName(info.param)); });
+
+// One F32-ops variant's entry points (f32_ops.h internal).
+struct F32Variant {
+  CpuIsa isa;
+  float (*dot)(const float*, const float*, int64_t);
+  void (*dot4)(const float*, int64_t, const float*, int64_t, float*);
+  void (*axpy)(float, const float*, float*, int64_t);
+  void (*axpy4)(const float*, const float*, float*, int64_t, int64_t);
+  void (*axpy_tile4)(const float*, int64_t, const float* const*, int64_t, float*, int64_t, int64_t);
+  float (*dot_bf16)(const std::byte*, const float*, int64_t);
+};
+
+F32Variant VariantOf(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx2:
+      return {isa,
+              internal::DotF32Avx2,
+              internal::Dot4F32Avx2,
+              internal::AxpyF32Avx2,
+              internal::Axpy4F32Avx2,
+              internal::AxpyTile4F32Avx2,
+              internal::DotBf16F32Avx2};
+    case CpuIsa::kAvx512:
+      return {isa,
+              internal::DotF32Avx512,
+              internal::Dot4F32Avx512,
+              internal::AxpyF32Avx512,
+              internal::Axpy4F32Avx512,
+              internal::AxpyTile4F32Avx512,
+              internal::DotBf16F32Avx512};
+    default:
+      return {CpuIsa::kScalar,           internal::DotF32Scalar,   internal::Dot4F32Scalar,
+              internal::AxpyF32Scalar,   internal::Axpy4F32Scalar, internal::AxpyTile4F32Scalar,
+              internal::DotBf16F32Scalar};
+  }
+}
+
+// The error bound of any order of summation of n F32 products (Higham, Accuracy and Stability,
+// §3.1): |fl(sum) - sum| <= gamma_n * sum |a_i b_i|, gamma_n = n u / (1 - n u), u = 2^-24 (each
+// term sees one rounding of its product and at most n - 1 of the additions; a fused multiply-add
+// only removes roundings). The oracle sums in double (error ~2^-53 n, negligible).
+double DotBound(int64_t n, double magnitude) {
+  const double u = std::ldexp(1.0, -24);
+  const double nu = static_cast<double>(n) * u;
+  return nu / (1.0 - nu) * magnitude;
+}
+
+class F32OpsVariantTest : public ::testing::TestWithParam<CpuIsa> {};
+
+// Every variant against a double-precision loop on ragged lengths 1..600, with strided and
+// unaligned operands; the four-query dot product bitwise the single one of the same variant;
+// the AXPYs bitwise std::fma (the same in every variant).
+TEST_P(F32OpsVariantTest, MatchesDoubleOracleOnRaggedLengths) {
+  const CpuIsa isa = GetParam();
+  const bool supported =
+      isa == CpuIsa::kScalar ||
+      (isa == CpuIsa::kAvx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ||
+      (isa == CpuIsa::kAvx512 && __builtin_cpu_supports("avx512f") &&
+       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"));
+  if (!supported) GTEST_SKIP() << "CPU lacks " << CpuIsaName(isa);
+  const F32Variant v = VariantOf(isa);
+  std::mt19937 rng(7);
+  std::vector<int64_t> lengths;
+  for (int64_t n = 1; n <= 40; ++n) lengths.push_back(n);
+  for (int64_t n : {63, 64, 65, 127, 128, 129, 511, 512, 513, 576, 577, 600}) lengths.push_back(n);
+  for (int i = 0; i < 20; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % 600));
+  for (const int64_t n : lengths) {
+    const int64_t stride = n + 3;  // queries not 32-byte aligned relative to each other
+    // +1: operands one float past a 64-byte boundary.
+    const std::vector<float> qs = RandomFloats(4 * stride + 1, static_cast<uint32_t>(n));
+    const std::vector<float> ks = RandomFloats(n + 1, static_cast<uint32_t>(n + 1000));
+    const float* q = qs.data() + 1;
+    const float* k = ks.data() + 1;
+    float four[4];
+    v.dot4(q, stride, k, n, four);
+    for (int j = 0; j < 4; ++j) {
+      double want = 0, mag = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double p = static_cast<double>(q[j * stride + i]) * k[i];
+        want += p;
+        mag += std::abs(p);
+      }
+      const float single = v.dot(q + j * stride, k, n);
+      ASSERT_LE(std::abs(single - want), DotBound(n, mag)) << "n " << n << " j " << j;
+      // Bitwise: a query's score must not depend on its group (batch-independent attention).
+      ASSERT_EQ(0, std::memcmp(&four[j], &single, sizeof(float))) << "n " << n << " j " << j;
+    }
+    std::vector<float> y(qs.begin(), qs.end());
+    v.axpy(0.5f, k, y.data() + 1, n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[1 + i], std::fma(0.5f, k[i], q[i])) << i;
+    EXPECT_EQ(y[0], qs[0]);
+    EXPECT_EQ(y[n + 1], qs[n + 1]);  // past the masked tail: untouched
+    y.assign(qs.begin(), qs.end());
+    const float coef[4] = {1.0f, -2.0f, 0.25f, 3.0f};
+    v.axpy4(coef, k, y.data() + 1, stride, n);
+    for (int j = 0; j < 4; ++j) {
+      for (int64_t i = 0; i < stride; ++i) {
+        const float want = i < n ? std::fma(coef[j], k[i], q[j * stride + i]) : q[j * stride + i];
+        ASSERT_EQ(y[1 + j * stride + i], want) << "n " << n << " j " << j << " i " << i;
+      }
+    }
+    // The P V tile: 4 rows, nk keys at scattered addresses, each element updated by std::fma in
+    // key order (the oracle: a plain loop, no vector code).
+    for (const int64_t nk : {int64_t{1}, int64_t{3}, int64_t{16}}) {
+      const int64_t p_stride = 17;
+      const std::vector<float> p = RandomFloats(4 * p_stride, static_cast<uint32_t>(n + nk));
+      std::vector<std::vector<float>> keys;
+      std::vector<const float*> key_ptrs;
+      for (int64_t j = 0; j < nk; ++j) {
+        keys.push_back(RandomFloats(n + 1, static_cast<uint32_t>(7 * n + j)));
+      }
+      for (int64_t j = 0; j < nk; ++j) key_ptrs.push_back(keys[j].data() + 1);
+      y.assign(qs.begin(), qs.end());
+      v.axpy_tile4(p.data() + 1, p_stride, key_ptrs.data(), nk, y.data() + 1, stride, n);
+      for (int r = 0; r < 4; ++r) {
+        for (int64_t i = 0; i < stride; ++i) {
+          float want = q[r * stride + i];
+          for (int64_t j = 0; i < n && j < nk; ++j) {
+            want = std::fma(p[1 + r * p_stride + j], key_ptrs[j][i], want);
+          }
+          ASSERT_EQ(y[1 + r * stride + i], want)
+              << "n " << n << " nk " << nk << " r " << r << " i " << i;
+        }
+      }
+    }
+    // BF16 weights (odd byte offset) with F32 activations: the conversion is exact.
+    std::vector<std::byte> wb(2 * n + 1);
+    double want_bf = 0, mag_bf = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t b = kernels::FloatToBf16Bits(q[i]);
+      std::memcpy(wb.data() + 1 + 2 * i, &b, 2);
+      const double p = static_cast<double>(kernels::Bf16BitsToFloat(b)) * k[i];
+      want_bf += p;
+      mag_bf += std::abs(p);
+    }
+    ASSERT_LE(std::abs(v.dot_bf16(wb.data() + 1, k, n) - want_bf), DotBound(n, mag_bf)) << n;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, F32OpsVariantTest,
+                         ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512),
                          [](const auto& info) { return std::string(CpuIsaName(info.param)); });
 
 TEST(F32OpsTest, DotAxpyAndMatVecMatchPlainLoops) {

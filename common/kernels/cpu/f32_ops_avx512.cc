@@ -118,6 +118,68 @@ void Axpy4F32Avx512(const float* a, const float* x, float* y, int64_t y_stride, 
   }
 }
 
+void AxpyTile4F32Avx512(const float* p, int64_t p_stride, const float* const* x, int64_t nk,
+                        float* y, int64_t y_stride, int64_t n) {
+  float* y0 = y;
+  float* y1 = y + y_stride;
+  float* y2 = y + 2 * y_stride;
+  float* y3 = y + 3 * y_stride;
+  const float* p0 = p;
+  const float* p1 = p + p_stride;
+  const float* p2 = p + 2 * p_stride;
+  const float* p3 = p + 3 * p_stride;
+  int64_t i = 0;
+  // 32 columns x 4 rows: eight accumulators, each updated in key order (as nk Axpy4F32 calls).
+  for (; i + 32 <= n; i += 32) {
+    __m512 c00 = _mm512_loadu_ps(y0 + i), c01 = _mm512_loadu_ps(y0 + i + 16);
+    __m512 c10 = _mm512_loadu_ps(y1 + i), c11 = _mm512_loadu_ps(y1 + i + 16);
+    __m512 c20 = _mm512_loadu_ps(y2 + i), c21 = _mm512_loadu_ps(y2 + i + 16);
+    __m512 c30 = _mm512_loadu_ps(y3 + i), c31 = _mm512_loadu_ps(y3 + i + 16);
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 x0 = _mm512_loadu_ps(x[j] + i);
+      const __m512 x1 = _mm512_loadu_ps(x[j] + i + 16);
+      const __m512 a0 = _mm512_set1_ps(p0[j]);
+      const __m512 a1 = _mm512_set1_ps(p1[j]);
+      const __m512 a2 = _mm512_set1_ps(p2[j]);
+      const __m512 a3 = _mm512_set1_ps(p3[j]);
+      c00 = _mm512_fmadd_ps(a0, x0, c00);
+      c01 = _mm512_fmadd_ps(a0, x1, c01);
+      c10 = _mm512_fmadd_ps(a1, x0, c10);
+      c11 = _mm512_fmadd_ps(a1, x1, c11);
+      c20 = _mm512_fmadd_ps(a2, x0, c20);
+      c21 = _mm512_fmadd_ps(a2, x1, c21);
+      c30 = _mm512_fmadd_ps(a3, x0, c30);
+      c31 = _mm512_fmadd_ps(a3, x1, c31);
+    }
+    _mm512_storeu_ps(y0 + i, c00);
+    _mm512_storeu_ps(y0 + i + 16, c01);
+    _mm512_storeu_ps(y1 + i, c10);
+    _mm512_storeu_ps(y1 + i + 16, c11);
+    _mm512_storeu_ps(y2 + i, c20);
+    _mm512_storeu_ps(y2 + i + 16, c21);
+    _mm512_storeu_ps(y3 + i, c30);
+    _mm512_storeu_ps(y3 + i + 16, c31);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : TailMask(n - i);
+    __m512 c0 = _mm512_maskz_loadu_ps(m, y0 + i);
+    __m512 c1 = _mm512_maskz_loadu_ps(m, y1 + i);
+    __m512 c2 = _mm512_maskz_loadu_ps(m, y2 + i);
+    __m512 c3 = _mm512_maskz_loadu_ps(m, y3 + i);
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x[j] + i);
+      c0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), xv, c0);
+      c1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), xv, c1);
+      c2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[j]), xv, c2);
+      c3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[j]), xv, c3);
+    }
+    _mm512_mask_storeu_ps(y0 + i, m, c0);
+    _mm512_mask_storeu_ps(y1 + i, m, c1);
+    _mm512_mask_storeu_ps(y2 + i, m, c2);
+    _mm512_mask_storeu_ps(y3 + i, m, c3);
+  }
+}
+
 float DotBf16F32Avx512(const std::byte* w, const float* x, int64_t n) {
   __m512 acc0 = _mm512_setzero_ps();
   __m512 acc1 = _mm512_setzero_ps();

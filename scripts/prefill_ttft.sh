@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# TTFT of one 512-token prompt through the router on a CPU-only stack (issue #15 acceptance 4):
+# weightd, one decode worker (2 threads, chunked prefill: 512 < the router's --chunk-threshold)
+# and the router from BIN_DIR on MODEL; one request of 512 token ids, one new token; prints the
+# TTFT and the load average, then stops the stack.
+#
+#   scripts/prefill_ttft.sh MODEL BIN_DIR PORT TAG
+#   e.g. scripts/prefill_ttft.sh out/real-shaped build/cpu 50095 after
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODEL="$1"; BIN_DIR="$2"; PORT="$3"; TAG="$4"
+# shellcheck source=lib/common.sh
+source "$ROOT/scripts/lib/common.sh"
+HMOE="$BIN_DIR/tools/hmoe"
+require_client prefill_ttft "$HMOE"
+OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-ttft-$TAG.XXXXXX")"
+RUN_DIR="$OUT/run"; CONF="$OUT/supervisord.conf"
+"$HMOE" deploy --model "$MODEL" --out "$OUT" --run-dir "$RUN_DIR" --gpus 0 --prefill-workers 0 \
+  --bin-dir "$BIN_DIR" --listen "127.0.0.1:$PORT" --http-listen= \
+  --instance "ttft-$TAG-$$" --weightd-args=--remove-on-exit \
+  --decode-args="--threads=2 --pin-threads=false" >/dev/null || exit 1
+supervisord -c "$CONF"
+trap 'stop_supervisord "$CONF" "$RUN_DIR"' EXIT
+wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$OUT/logs" || exit 1
+IDS=$(seq 0 511 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 3000 + 10}')
+"$HMOE" generate --addr "127.0.0.1:$PORT" --prompt-ids "$IDS" --max-new-tokens 1 \
+  --timeout-s 1800 >"$OUT/gen.out" 2>&1
+echo "$TAG TTFT $(ttft_ms prefill_ttft "$OUT/gen.out") ms; load $(cut -d' ' -f1-3 /proc/loadavg)"
