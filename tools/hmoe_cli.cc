@@ -50,6 +50,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "common/base/flags.h"
+#include "common/rpc/grpc_status.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "tools/bench/bench_command.h"
@@ -125,30 +126,9 @@ std::unique_ptr<grpc::ClientContext> Context() {
   return ctx;
 }
 
-const char* CodeName(grpc::StatusCode code) {
-  static constexpr const char* kNames[] = {"OK",
-                                           "CANCELLED",
-                                           "UNKNOWN",
-                                           "INVALID_ARGUMENT",
-                                           "DEADLINE_EXCEEDED",
-                                           "NOT_FOUND",
-                                           "ALREADY_EXISTS",
-                                           "PERMISSION_DENIED",
-                                           "RESOURCE_EXHAUSTED",
-                                           "FAILED_PRECONDITION",
-                                           "ABORTED",
-                                           "OUT_OF_RANGE",
-                                           "UNIMPLEMENTED",
-                                           "INTERNAL",
-                                           "UNAVAILABLE",
-                                           "DATA_LOSS",
-                                           "UNAUTHENTICATED"};
-  const int i = static_cast<int>(code);
-  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "?";
-}
-
 int Fail(const std::string& what, const grpc::Status& s) {
-  std::cerr << what << ": " << CodeName(s.error_code()) << ": " << s.error_message() << "\n";
+  std::cerr << what << ": " << hmoe::rpc::GrpcCodeName(s.error_code()) << ": " << s.error_message()
+            << "\n";
   return 1;
 }
 
@@ -392,7 +372,7 @@ grpc::StatusCode OneRequest(v1::Hmoe::Stub* stub, const v1::ModelInfo& info,
   }
   const grpc::Status s = reader->Finish();
   const int64_t end = UnixMs();
-  const std::string code = CodeName(s.error_code());
+  const std::string code = hmoe::rpc::GrpcCodeName(s.error_code());
   absl::MutexLock l(&log.mu);
   ++log.counts[{kind, code}];
   absl::FPrintF(log.file, "%d\t%d\t%s\t%s\t%d\t%s\t%s\n", start, end, kind, code,
@@ -600,8 +580,8 @@ absl::StatusOr<double> GrpcTtft(v1::Hmoe::Stub* stub, const std::vector<int32_t>
   }
   const grpc::Status s = reader->Finish();
   if (!s.ok()) {
-    return absl::UnknownError(
-        absl::StrCat("generate: ", CodeName(s.error_code()), ": ", s.error_message()));
+    return absl::UnknownError(absl::StrCat("generate: ", hmoe::rpc::GrpcCodeName(s.error_code()),
+                                           ": ", s.error_message()));
   }
   if (ttft < 0) return absl::UnknownError("generate: no token and no Finished message");
   return ttft;

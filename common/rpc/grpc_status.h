@@ -22,4 +22,11 @@ inline absl::Status FromGrpcStatus(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+// "OK", "CANCELLED", ..., "UNAUTHENTICATED" (the google.rpc.Code names clients print and log);
+// "CODE_<n>" for a number outside the enum.
+inline std::string GrpcCodeName(grpc::StatusCode code) {
+  std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "CODE_" + std::to_string(static_cast<int>(code)) : name;
+}
+
 }  // namespace hmoe::rpc

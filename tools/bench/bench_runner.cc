@@ -16,6 +16,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
+#include "common/rpc/grpc_status.h"
+
 namespace hmoe::bench {
 namespace {
 
@@ -24,28 +26,6 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 double Since(Clock::time_point origin, Clock::time_point t) {
   return std::chrono::duration<double>(t - origin).count();
-}
-
-const char* CodeName(grpc::StatusCode code) {
-  static constexpr const char* kNames[] = {"OK",
-                                           "CANCELLED",
-                                           "UNKNOWN",
-                                           "INVALID_ARGUMENT",
-                                           "DEADLINE_EXCEEDED",
-                                           "NOT_FOUND",
-                                           "ALREADY_EXISTS",
-                                           "PERMISSION_DENIED",
-                                           "RESOURCE_EXHAUSTED",
-                                           "FAILED_PRECONDITION",
-                                           "ABORTED",
-                                           "OUT_OF_RANGE",
-                                           "UNIMPLEMENTED",
-                                           "INTERNAL",
-                                           "UNAVAILABLE",
-                                           "DATA_LOSS",
-                                           "UNAUTHENTICATED"};
-  const int i = static_cast<int>(code);
-  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "UNKNOWN";
 }
 
 // "FINISH_REASON_LENGTH" -> "length", "PATH_SLP" -> "slp".
@@ -81,7 +61,7 @@ absl::StatusOr<v1::ModelInfo> BenchClient::ModelInfo() {
   const grpc::Status s = stub_->GetModelInfo(&ctx, {}, &info);
   if (!s.ok()) {
     return absl::UnavailableError(
-        absl::StrCat("GetModelInfo: ", CodeName(s.error_code()), ": ", s.error_message()));
+        absl::StrCat("GetModelInfo: ", rpc::GrpcCodeName(s.error_code()), ": ", s.error_message()));
   }
   return info;
 }
@@ -93,7 +73,7 @@ absl::StatusOr<v1::RouterStatus> BenchClient::RouterStatus() {
   const grpc::Status s = stub_->GetStatus(&ctx, {}, &st);
   if (!s.ok()) {
     return absl::UnavailableError(
-        absl::StrCat("GetStatus: ", CodeName(s.error_code()), ": ", s.error_message()));
+        absl::StrCat("GetStatus: ", rpc::GrpcCodeName(s.error_code()), ": ", s.error_message()));
   }
   return st;
 }
@@ -127,7 +107,7 @@ RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
   const grpc::Status s = reader->Finish();
   r.end_s = Since(origin, Clock::now());
   r.ok = s.ok();
-  r.status = CodeName(s.error_code());
+  r.status = rpc::GrpcCodeName(s.error_code());
   r.message = s.error_message();
   if (have_finished) {
     r.finish_reason = EnumSuffix(v1::FinishReason_Name(finished.reason()), 14);
