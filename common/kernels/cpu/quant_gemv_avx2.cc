@@ -163,7 +163,9 @@ void RowsQ6K(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int6
       HMOE_UNROLL for (int t = 0; t < N; ++t) isum[t] = _mm256_setzero_si256();
       HMOE_UNROLL for (int n = 0; n < 2; ++n) {
         // Scale words 8n..8n+7 in both lanes; pair k = sub-blocks 8n+2k (low lane), 8n+2k+1.
-        const __m256i sc_half = _mm256_permute2x128_si256(sc16, sc16, n == 0 ? 0x00 : 0x11);
+        // Two literal immediates: at -O0 (the ASan build) `n` is not folded into one.
+        const __m256i sc_half = n == 0 ? _mm256_permute2x128_si256(sc16, sc16, 0x00)
+                                       : _mm256_permute2x128_si256(sc16, sc16, 0x11);
         const __m256i ql0 = Load(blk + 64 * n);
         const __m256i ql1 = Load(blk + 64 * n + 32);
         const __m256i qh = Load(blk + 128 + 32 * n);
