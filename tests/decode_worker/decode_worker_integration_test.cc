@@ -803,7 +803,7 @@ TEST_F(DecodeWorkerTest, BadFlagsExitNonZeroWithAMessage) {
        2,
        "--prefill-packing"},
       {{kWorker, "--model", g_shared->dir.File("nope"), "--socket", sock}, 1, "nope"},
-      {{kWorker, "--model", g_shared->model, "--socket", sock, "--device", "cuda:0"}, 1, "cuda"},
+      {{kWorker, "--model", g_shared->model, "--socket", sock, "--device", "cuda:99"}, 1, "cuda"},
       {{kWorker, "--model", g_shared->model, "--socket", sock, "--kv-blocks", "4", "--kv-memory-mb",
         "8"},
        2,

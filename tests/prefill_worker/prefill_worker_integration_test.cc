@@ -345,7 +345,7 @@ TEST_F(PrefillWorkerTest, BadFlagsExitNonZeroWithAMessage) {
       {{"--stream-budget-mb", "0", "--max-prompt-tokens", "100", "--device-memory-mb", "1"},
        1,
        "do not fit"},
-      {{"--device", "cuda:0"}, 1, "cuda"},
+      {{"--device", "cuda:99"}, 1, "cuda"},  // no host has 100 GPUs: fails with and without one
       {{"--dslp-ep-mode", "tensor"}, 2, "--dslp-ep-mode"},
       {{"--dslp-join-timeout-seconds", "0"}, 2, "--dslp-join-timeout-seconds"},
   };
