@@ -48,6 +48,18 @@ class DeviceExport final : public KvExport {
  public:
   DeviceExport(DeviceBuffer buffer, KvHandleSpec spec, std::string device)
       : buffer_(std::move(buffer)), spec_(std::move(spec)), device_(std::move(device)) {}
+  // Clears the magic before the buffer is freed: the driver may still open this handle after
+  // cudaFree (seen on an H100), and a late importer must see "freed", not a valid hand-off.
+  ~DeviceExport() override {
+    if (buffer_.data() == nullptr) return;
+    absl::StatusOr<int> ordinal = cuda::DeviceOf(buffer_.data());
+    absl::Status s = ordinal.status();
+    if (ordinal.ok()) {
+      s = cuda::CopyToDeviceSync(buffer_.data(), &kKvHandoffFreedMagic,
+                                 sizeof(kKvHandoffFreedMagic), *ordinal);
+    }
+    if (!s.ok()) HMOE_LOG(WARNING) << "kv export " << description() << ": clear magic: " << s;
+  }
   const KvHandleSpec& handle() const override { return spec_; }
   size_t size_bytes() const override { return buffer_.size_bytes(); }
   std::string description() const override { return absl::StrCat("cuda-ipc:", device_); }

@@ -3,10 +3,18 @@
 # CUDA, the GPU benchmark and the deployed stack on --gpus 1, and writes one report.
 #
 #   scripts/gpu_check.sh [run] [--build DIR] [--bundle FILE] [--report DIR] [--quick]
+#                        [--no-bench] [--no-stack] [--no-slp] [--slp-tokens "N ..."] [--no-build]
 #       Builds the CUDA configuration in DIR (default build/gpu-check), or, with --bundle, unpacks
 #       a bundle made by `pack` to the build path it was packed from (the test binaries embed
 #       it) and runs from there. Writes DIR/report.md (or --report DIR) and exits non-zero when
-#       any test failed or the stack did not agree with the CPU reference.
+#       any test failed or the stack did not agree with the CPU reference. Steps: (1) every test
+#       binary of the CUDA build (the GPU ones first; --quick: only those), (2) hmoe_gpu_bench
+#       (--no-bench skips it), (3) the deployed stack on `hmoe deploy --gpus 1` with the `small`
+#       demo model: greedy tokens through the router against hmoe-generate, the FP32 CPU
+#       reference (--no-stack skips it; needs supervisord, which a bundle carries as a wheel),
+#       (4) SLP prefill on the GPU with the `real-shaped` model (5.2 GiB, written here) at each of
+#       --slp-tokens prompt lengths: TTFT, tokens/s and the fraction of weight-copy time hidden
+#       (the prefill worker's log), and the same host's CPU-only prefill at the first length.
 #   scripts/gpu_check.sh pack [--build DIR] [--out FILE]
 #       On a build machine without a GPU: strips the CUDA build's executables and packs them with
 #       the shared libraries a GPU host may lack (gRPC, protobuf, abseil, re2, ssl, numa, cudart,
@@ -28,6 +36,12 @@ BUNDLE=""
 OUT_FILE="$ROOT/.gpu-bundle/bundle.tar.xz"
 REPORT=""
 QUICK=0
+STACK=1
+BENCH=1
+NO_BUILD=0
+SLP=1
+SLP_TOKENS="1024 4096 16384"
+GPUS="${HMOE_GPU_CHECK_GPUS:-1}"  # 0 runs the stack check on the CPU (to test this script)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) BUILD="$(realpath -m "$2")"; shift 2 ;;
@@ -35,6 +49,11 @@ while [[ $# -gt 0 ]]; do
     --out) OUT_FILE="$(realpath -m "$2")"; shift 2 ;;
     --report) REPORT="$(realpath -m "$2")"; shift 2 ;;
     --quick) QUICK=1; shift ;;
+    --no-stack) STACK=0; shift ;;
+    --no-bench) BENCH=0; shift ;;
+    --no-build) NO_BUILD=1; shift ;;
+    --no-slp) SLP=0; shift ;;
+    --slp-tokens) SLP_TOKENS="$2"; shift 2 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -77,6 +96,12 @@ if [[ "$MODE" == pack ]]; then
     done < <(ldd "$BUILD/$e" | awk '/=>/ {print $1, $3}')
   done
   for name in "${!libs[@]}"; do cp -L "${libs[$name]}" "$stage/tree/bundle-lib/$name"; done
+  # supervisord for the stack check (pure Python; a GPU host may have no PyPI access).
+  if ! python3 -m pip download -q --no-deps --only-binary=:all: -d "$stage/tree/bundle-wheels" \
+      supervisor >/dev/null 2>&1; then
+    echo "gpu_check.sh pack: could not download the supervisor wheel; the stack check will need" \
+      "supervisord on the GPU host" >&2
+  fi
   echo "$BUILD" >"$stage/tree/bundle-build-path"
   echo "$ROOT" >"$stage/tree/bundle-source-path"
   git -C "$ROOT" rev-parse HEAD >"$stage/tree/bundle-commit" 2>/dev/null || echo unknown >"$stage/tree/bundle-commit"
@@ -101,6 +126,8 @@ if [[ -n "$BUNDLE" ]]; then
   mkdir -p "$BUILD"
   xz -dc "$BUNDLE" | tar -C "$BUILD" -xf -
   export LD_LIBRARY_PATH="$BUILD/bundle-lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+elif [[ $NO_BUILD == 1 ]]; then
+  [[ -x "$BUILD/tools/hmoe" ]] || { echo "gpu_check.sh: --no-build but no build at $BUILD" >&2; exit 2; }
 else
   say "building the CUDA configuration in $BUILD"
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DHMOE_CUDA=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
@@ -110,6 +137,7 @@ REPORT="${REPORT:-$BUILD/gpu-check}"
 mkdir -p "$REPORT/logs"
 
 # cuBLAS and NCCL from the host.
+LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64; do
   [[ -d "$d" ]] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"
 done
@@ -118,7 +146,7 @@ if [[ -n "$py" ]]; then
   site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
   for d in "$site"/nvidia/*/lib; do [[ -d "$d" ]] && LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$d"; done
 fi
-export LD_LIBRARY_PATH
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH#:}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader \
   >"$REPORT/gpu.txt" 2>&1 || echo "nvidia-smi failed" >"$REPORT/gpu.txt"
 say "GPU: $(cat "$REPORT/gpu.txt")"
@@ -129,11 +157,17 @@ mapfile -t tests < <(list_executables "$BUILD" | grep '_test$')
 gpu_first=(tests/kernels_cuda/hmoe_cuda_kernels_test tests/kernels_cuda/hmoe_cuda_device_test
            tests/device/hmoe_device_test tests/comm/hmoe_nccl_collective_test
            tests/prefill_worker/hmoe_cuda_handoff_gpu_test)
-run_one() {  # REPORT BUILD TEST
-  local name
-  name=$(basename "$3")
+# --quick: the GPU tests and these cases of the others (the worker flags that name cuda:N).
+quick_extra=("tests/decode_worker/hmoe_decode_worker_integration_test:*BadFlags*"
+             "tests/prefill_worker/hmoe_prefill_worker_integration_test:*BadFlags*"
+             "tests/decode_worker/hmoe_kv_handoff_test")
+run_one() {  # REPORT BUILD TEST[:GTEST_FILTER]
+  local bin="${3%%:*}" filter="" name
+  [[ "$3" == *:* ]] && filter="${3#*:}"
+  name=$(basename "$bin")${filter:+-${filter//[^A-Za-z0-9]/_}}
   local t0=$SECONDS
-  if (cd "$2" && timeout 300 "./$3" --gtest_output="xml:$1/logs/$name.xml" >"$1/logs/$name.log" 2>&1); then
+  if (cd "$2" && timeout 300 "./$bin" ${filter:+--gtest_filter="$filter"} \
+        --gtest_output="xml:$1/logs/$name.xml" >"$1/logs/$name.log" 2>&1); then
     echo "$name PASS $((SECONDS - t0))"
   else
     echo "$name FAIL $((SECONDS - t0))"
@@ -141,8 +175,10 @@ run_one() {  # REPORT BUILD TEST
 }
 export -f run_one
 : >"$REPORT/tests.txt"
-for t in "${gpu_first[@]}"; do
-  [[ -x "$BUILD/$t" ]] || { echo "$(basename "$t") MISSING 0" >>"$REPORT/tests.txt"; continue; }
+first=("${gpu_first[@]}")
+[[ $QUICK == 1 ]] && first+=("${quick_extra[@]}")
+for t in "${first[@]}"; do
+  [[ -x "$BUILD/${t%%:*}" ]] || { echo "$(basename "${t%%:*}") MISSING 0" >>"$REPORT/tests.txt"; continue; }
   run_one "$REPORT" "$BUILD" "$t" | tee -a "$REPORT/tests.txt"
 done
 if [[ $QUICK == 0 ]]; then
@@ -151,6 +187,140 @@ if [[ $QUICK == 0 ]]; then
 fi
 failed=$(grep -c ' FAIL \| MISSING ' "$REPORT/tests.txt" || true)
 say "tests: $(grep -c ' PASS ' "$REPORT/tests.txt" || true) binaries passed, $failed failed"
+: >"$REPORT/steps.txt"
+
+# 2. The GPU benchmark.
+if [[ $BENCH == 1 ]]; then
+  if [[ -x "$BUILD/tests/bench/hmoe_gpu_bench" ]]; then
+    say "GPU benchmark"
+    if (cd "$BUILD" && timeout 600 ./tests/bench/hmoe_gpu_bench --json "$REPORT/gpu_bench.json" \
+          >"$REPORT/gpu_bench.txt" 2>&1); then
+      echo "hmoe_gpu_bench PASS" >>"$REPORT/steps.txt"
+    else
+      echo "hmoe_gpu_bench FAIL (see gpu_bench.txt)" >>"$REPORT/steps.txt"
+    fi
+  else
+    echo "hmoe_gpu_bench MISSING (not built)" >>"$REPORT/steps.txt"
+  fi
+fi
+
+# 3. The deployed stack on one GPU: greedy tokens through the router vs the CPU reference.
+stack_check() {
+  local work="$REPORT/stack" hmoe="$BUILD/tools/hmoe"
+  rm -rf "$work"
+  mkdir -p "$work"
+  if ! command -v supervisord >/dev/null; then
+    local wheels=("$BUILD"/bundle-wheels/supervisor-*.whl)
+    if [[ -f "${wheels[0]}" ]]; then
+      python3 -m pip install -q --no-index --no-deps --target "$work/py" "${wheels[@]}" >/dev/null
+      export PYTHONPATH="$work/py${PYTHONPATH:+:$PYTHONPATH}" PATH="$work/py/bin:$PATH"
+    fi
+  fi
+  command -v supervisord >/dev/null || { echo "stack SKIPPED (no supervisord)"; return 0; }
+  source "$ROOT/scripts/lib/common.sh"
+  "$BUILD/tools/hmoe-make-model" --preset small --out "$work/small" >"$work/make-model.log" 2>&1
+  local run="/tmp/hmoe-gpucheck-$$" port=$((20000 + RANDOM % 20000))
+  "$hmoe" deploy --model "$work/small" --out "$work/deploy" --run-dir "$run" --gpus "$GPUS" \
+    --bin-dir "$BUILD" --listen "127.0.0.1:$port" --http-listen "127.0.0.1:$((port + 1))" \
+    --instance "gpucheck$$" --weightd-args=--remove-on-exit >"$work/deploy.log" 2>&1 ||
+    { echo "stack FAIL (hmoe deploy: $(tail -1 "$work/deploy.log"))"; return 1; }
+  supervisord -c "$work/deploy/supervisord.conf"
+  local rc=0
+  if ! wait_for_stack "$hmoe" "127.0.0.1:$port" "$work/deploy/supervisord.conf" \
+      "$work/deploy/logs" >"$work/wait.log" 2>&1; then
+    echo "stack FAIL (did not come up; $work/wait.log)"
+    rc=1
+  else
+    "$hmoe" status --addr "127.0.0.1:$port" >"$work/status.txt" 2>&1 || true
+    local i=0 ids hint vocab
+    vocab=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
+      "$work/small/config.json")
+    # Short prompts (decode worker), a long one (prefill on the GPU prefill worker), each path.
+    for spec in "auto:1,2,3,4,5,6,7,8" "chunked:$(seq -s, 10 129)" "slp:$(seq -s, 300 599)" \
+                "auto:$(seq -s, 1000 1299)"; do
+      hint=${spec%%:*}
+      ids=${spec#*:}
+      i=$((i + 1))
+      "$hmoe" generate --addr "127.0.0.1:$port" --prompt-ids "$ids" --max-new-tokens 16 \
+        --ignore-eos --token-ids --hint "$hint" >"$work/gpu$i.txt" 2>"$work/gpu$i.err" || true
+      local got n forced verdict
+      got=$(head -1 "$work/gpu$i.txt")
+      n=$(awk -F, '{print NF}' <<<"$ids")
+      # The reference's logits over the prompt and the served tokens (teacher forcing).
+      forced="$ids"
+      for t in $(awk '{NF--; print}' <<<"$got"); do forced="$forced,$t"; done
+      "$BUILD/tools/hmoe-generate" --model "$work/small" --prompt-ids "$forced" \
+        --max-new-tokens 1 --dump-logits "$work/logits$i.bin" >"$work/ref$i.txt" 2>&1 || true
+      # tests/decode_worker/decode_test_util.h kSmallMarginTolerance: the stated tolerance of `small`.
+      verdict=$(python3 "$ROOT/scripts/lib/token_agreement.py" "$work/logits$i.bin" "$vocab" "$n" \
+        "$got" 1.25 2>&1) || rc=1
+      echo "stack prompt $i ($n tokens, hint $hint) $verdict | $(tail -1 "$work/gpu$i.err")"
+      rm -f "$work/logits$i.bin"
+    done
+  fi
+  stop_supervisord "$work/deploy/supervisord.conf" "$run"
+  tar -C "$work" -czf "$REPORT/stack-logs.tgz" deploy/logs 2>/dev/null || true
+  return $rc
+}
+if [[ $STACK == 1 ]]; then
+  say "the deployed stack on one GPU"
+  stack_check >>"$REPORT/steps.txt" 2>&1 || failed=$((failed + 1))
+fi
+
+# 4. SLP prefill on the GPU at real shapes vs the CPU-only prefill of this host.
+slp_one() {  # MODEL GPUS PREFILL_ARGS TOKENS... : one stack, one request per length
+  local model="$1" gpus="$2" pargs="$3"
+  shift 3
+  local work="$REPORT/slp-$gpus" hmoe="$BUILD/tools/hmoe"
+  rm -rf "$work"
+  mkdir -p "$work"
+  local run="/tmp/hmoe-gpuslp-$$-$gpus" port=$((20000 + RANDOM % 20000))
+  "$hmoe" deploy --model "$model" --out "$work/deploy" --run-dir "$run" --gpus "$gpus" \
+    --prefill-workers 1 --bin-dir "$BUILD" --listen "127.0.0.1:$port" --http-listen= \
+    --instance "gpuslp$$$gpus" --weightd-args=--remove-on-exit --prefill-args="$pargs" \
+    >"$work/deploy.log" 2>&1 || { echo "slp gpus=$gpus FAIL (deploy: $(tail -1 "$work/deploy.log"))"; return 1; }
+  supervisord -c "$work/deploy/supervisord.conf"
+  local rc=0
+  if ! wait_for_stack "$hmoe" "127.0.0.1:$port" "$work/deploy/supervisord.conf" \
+      "$work/deploy/logs" "weightd|decode|router|prefill" 'PREFILL +LIVE' >"$work/wait.log" 2>&1; then
+    echo "slp gpus=$gpus FAIL (stack did not come up; see slp-logs)"
+    rc=1
+  else
+    for n in "$@"; do
+      local ids
+      ids=$(seq 0 $((n - 1)) | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 4000 + 10}')
+      if "$hmoe" generate --addr "127.0.0.1:$port" --prompt-ids "$ids" --max-new-tokens 2 \
+          --token-ids --hint slp --timeout-s 900 >"$work/gen$n.out" 2>&1; then
+        local line
+        line=$(grep -h "prefilled $n tokens" "$work"/deploy/logs/prefill*.log | tail -1 | sed 's/.*\] //')
+        echo "slp gpus=$gpus tokens=$n $(grep -o 'path [A-Z_]* ([0-9]* attempts*), queue [0-9.]* ms, TTFT [0-9.]* ms' "$work/gen$n.out") | $line"
+      else
+        echo "slp gpus=$gpus tokens=$n FAIL: $(tail -2 "$work/gen$n.out" | tr '\n' ' ')"
+        rc=1
+      fi
+    done
+  fi
+  stop_supervisord "$work/deploy/supervisord.conf" "$run"
+  tar -C "$work" -czf "$REPORT/slp-logs-$gpus.tgz" deploy/logs 2>/dev/null || true
+  return $rc
+}
+if [[ $SLP == 1 ]] && command -v supervisord >/dev/null; then
+  say "SLP prefill at real shapes"
+  rs="$REPORT/real-shaped"
+  if [[ ! -f "$rs/config.json" ]]; then
+    "$BUILD/tools/hmoe-make-model" --preset real-shaped --out "$rs" >"$REPORT/make-rs.log" 2>&1 ||
+      echo "slp FAIL (hmoe-make-model real-shaped: $(tail -1 "$REPORT/make-rs.log"))" >>"$REPORT/steps.txt"
+  fi
+  if [[ -f "$rs/config.json" ]]; then
+    max=0
+    for n in $SLP_TOKENS; do ((n > max)) && max=$n; done
+    # shellcheck disable=SC2086
+    slp_one "$rs" 1 "--max-prompt-tokens=$max" $SLP_TOKENS >>"$REPORT/steps.txt" 2>&1 || failed=$((failed + 1))
+    first=${SLP_TOKENS%% *}
+    slp_one "$rs" 0 "--max-prompt-tokens=$first" "$first" >>"$REPORT/steps.txt" 2>&1 || failed=$((failed + 1))
+  fi
+fi
+touch "$REPORT/steps.txt"
 
 {
   echo "# GPU check"
@@ -159,6 +329,16 @@ say "tests: $(grep -c ' PASS ' "$REPORT/tests.txt" || true) binaries passed, $fa
   echo "- GPU: $(cat "$REPORT/gpu.txt")"
   echo "- CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) CPUs"
   echo "- commit: $(cat "$BUILD/bundle-commit" 2>/dev/null || git -C "$ROOT" rev-parse HEAD)"
+  echo
+  echo "## Benchmark and stack"
+  echo
+  sed 's/^/    /' "$REPORT/steps.txt"
+  if [[ -f "$REPORT/gpu_bench.txt" ]]; then
+    echo
+    echo "## hmoe_gpu_bench"
+    echo
+    sed 's/^/    /' "$REPORT/gpu_bench.txt"
+  fi
   echo
   echo "## Tests (one line per test binary: result, seconds)"
   echo
@@ -169,7 +349,7 @@ say "tests: $(grep -c ' PASS ' "$REPORT/tests.txt" || true) binaries passed, $fa
       echo
       echo "### $n failures"
       echo
-      grep -E '^\[  FAILED  \]|Failure|error:|Expected|Which is|actual' "$x" | head -40 | sed 's/^/    /'
+      grep -m 40 -E '^\[  FAILED  \]|Failure|error:|Expected|Which is|actual' "$x" | sed 's/^/    /'
     fi
   done
 } >"$REPORT/report.md"

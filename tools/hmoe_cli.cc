@@ -73,6 +73,9 @@ ABSL_FLAG(std::vector<std::string>, stop, {}, "stop strings, comma-separated");
 ABSL_FLAG(std::string, hint, "auto", "path hint: auto, chunked, slp or dslp");
 ABSL_FLAG(std::string, request_id, "", "request id (default: the router picks one)");
 ABSL_FLAG(bool, ignore_eos, false, "do not stop at EOS");
+ABSL_FLAG(bool, token_ids, false,
+          "print the generated token ids (space-separated) instead of text, also when the router "
+          "has a tokenizer (to compare with hmoe-generate)");
 ABSL_FLAG(double, timeout_s, 300, "deadline of the call");
 ABSL_FLAG(std::string, service, "", "health: the service to check (\"\": the server as a whole)");
 ABSL_FLAG(double, wait_s, 0, "health: poll until SERVING for up to this long (0: check once)");
@@ -258,7 +261,7 @@ int Generate(v1::Hmoe::Stub* stub) {
   v1::ModelInfo info;
   grpc::Status s = stub->GetModelInfo(Context().get(), {}, &info);
   if (!s.ok()) return Fail("GetModelInfo", s);
-  req.set_detokenize(info.has_tokenizer());
+  req.set_detokenize(info.has_tokenizer() && !absl::GetFlag(FLAGS_token_ids));
   req.set_request_id(absl::GetFlag(FLAGS_request_id));
   req.set_max_new_tokens(absl::GetFlag(FLAGS_max_new_tokens));
   req.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));

@@ -17,12 +17,22 @@
 namespace hmoe {
 namespace {
 
-absl::Status NcclStatus(ncclResult_t r, const char* expr) {
+// `comm`, when given, adds NCCL's own account of the last error (ncclGetLastError), e.g.
+// "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 6000" for two ranks on one GPU,
+// which NCCL does not support (NVIDIA/nccl#1241).
+absl::Status NcclStatus(ncclResult_t r, const char* expr, ncclComm_t comm = nullptr) {
   const absl::StatusCode code =
       r == ncclRemoteError || r == ncclSystemError        ? absl::StatusCode::kUnavailable
       : r == ncclInvalidArgument || r == ncclInvalidUsage ? absl::StatusCode::kInvalidArgument
                                                           : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat("nccl: ", expr, " failed: ", ncclGetErrorString(r)));
+  std::string message = absl::StrCat("nccl: ", expr, " failed: ", ncclGetErrorString(r));
+  const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
+  if (last != nullptr && last[0] != '\0') absl::StrAppend(&message, " (", last, ")");
+  if (r == ncclInvalidUsage) {
+    absl::StrAppend(&message, "; NCCL needs one GPU per rank: a DSLP group cannot put two ranks ",
+                    "on one GPU");
+  }
+  return absl::Status(code, message);
 }
 
 // Non-blocking communicators may return ncclInProgress; that is not an error.
@@ -60,7 +70,7 @@ class NcclCollective final : public Collective {
       ncclResult_t state = ncclSuccess;
       HMOE_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm_, &state));
       if (state == ncclSuccess) return absl::OkStatus();
-      if (state != ncclInProgress) return Fail(NcclStatus(state, "async"));
+      if (state != ncclInProgress) return Fail(NcclStatus(state, "async", comm_));
       if (absl::Now() > deadline) {
         return Fail(absl::UnavailableError("nccl: a peer did not respond within the timeout"));
       }

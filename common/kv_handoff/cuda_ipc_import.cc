@@ -152,6 +152,15 @@ class CudaIpcKvImporter final : public KvImporter {
     HMOE_RETURN_IF_ERROR(
         Annotate(runtime_->CopyToHost(&header, mapping->data(), sizeof(header), plan.open_device),
                  absl::StrCat(where, ": read header")));
+    if (header.magic != kKvHandoffMagic) {
+      // A handle the driver still opens after the exporter freed the buffer (found on an H100:
+      // an expired export opened fine): freed (the exporter cleared the magic) or reused.
+      return absl::NotFoundError(absl::StrCat(
+          "kv_handle.cuda_ipc_handle: ", where,
+          header.magic == kKvHandoffFreedMagic
+              ? ": the exporter freed this hand-off (it expired or was released)"
+              : ": no live hand-off behind this handle (the buffer was freed and reused)"));
+    }
     uint64_t buffer_bytes = 0;
     if (allocation.ok()) {
       buffer_bytes = *allocation;

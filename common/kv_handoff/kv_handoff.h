@@ -30,6 +30,11 @@
 namespace hmoe {
 
 inline constexpr uint64_t kKvHandoffMagic = 0x3130564b454f4d48ull;  // "HMOEKV01" in memory order
+// What an exporter writes over the magic of a device (CUDA IPC) buffer just before it frees it:
+// the CUDA driver may still open the handle of a freed buffer (its memory is not returned at
+// once, or another allocation took it), so an importer must not trust the handle alone
+// (cuda_ipc_import.h). "HMOEKVFR".
+inline constexpr uint64_t kKvHandoffFreedMagic = 0x5246564b454f4d48ull;
 inline constexpr uint32_t kKvHandoffHeaderVersion = 1;
 inline constexpr uint32_t kKvHandoffLayoutVersion = 1;
 // Element type codes of the payload (only F32 today).

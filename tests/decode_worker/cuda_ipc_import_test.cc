@@ -234,6 +234,25 @@ TEST_F(CudaIpcImportTest, AHandleWhoseExporterIsGoneIsNotFoundAndLeavesNothingOp
   EXPECT_TRUE(gpus_.open.empty());
 }
 
+// The CUDA driver can still open the handle of a buffer its exporter freed (seen on an H100: an
+// expired export opened and imported). The exporter clears the magic before it frees the buffer;
+// a cleared or foreign magic is NotFound, like a handle the driver refuses.
+TEST_F(CudaIpcImportTest, AFreedOrReusedBufferBehindALiveHandleIsNotFound) {
+  const KvHandleSpec freed = Export(0, 2, "f");
+  std::memcpy(BufferOf(freed).bytes.data(), &kKvHandoffFreedMagic, sizeof(kKvHandoffFreedMagic));
+  absl::Status s = Importer(0)->Open(freed, Shape()).status();
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_NE(s.message().find("freed this hand-off"), std::string::npos) << s;
+
+  const KvHandleSpec reused = Export(0, 2, "r");
+  std::memset(BufferOf(reused).bytes.data(), 0x5a, 64);  // another allocation's bytes
+  s = Importer(0)->Open(reused, Shape()).status();
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_NE(s.message().find("no live hand-off"), std::string::npos) << s;
+  EXPECT_TRUE(gpus_.open.empty());
+  EXPECT_EQ(gpus_.closes, 2);
+}
+
 TEST_F(CudaIpcImportTest, WrongSizesAndShapesAreInvalidArgumentAndCloseTheMapping) {
   auto importer = Importer(0);
 

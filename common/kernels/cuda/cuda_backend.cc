@@ -297,4 +297,28 @@ absl::Status CopyToHostSync(void* host_dst, const void* device_src, size_t bytes
   return absl::OkStatus();
 }
 
+absl::Status CopyToDeviceSync(void* device_dst, const void* host_src, size_t bytes, int device) {
+  if (bytes == 0) return absl::OkStatus();
+  if (host_src == nullptr || device_dst == nullptr) {
+    return absl::InvalidArgumentError("cuda copy to device: null pointer");
+  }
+  if (const cudaError_t err = OnDevice(
+          device, [&] { return cudaMemcpy(device_dst, host_src, bytes, cudaMemcpyHostToDevice); });
+      err != cudaSuccess) {
+    return RegisterError("cudaMemcpy host to device", err);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> DeviceOf(const void* device_ptr) {
+  cudaPointerAttributes attr{};
+  if (const cudaError_t err = cudaPointerGetAttributes(&attr, device_ptr); err != cudaSuccess) {
+    return RegisterError("cudaPointerGetAttributes", err);
+  }
+  if (attr.type != cudaMemoryTypeDevice) {
+    return absl::InvalidArgumentError("cuda device of a pointer: not device memory");
+  }
+  return attr.device;
+}
+
 }  // namespace hmoe::cuda

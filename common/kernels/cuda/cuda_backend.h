@@ -83,6 +83,14 @@ absl::StatusOr<size_t> AllocationBytes(const void* device_ptr, int device);
 // device error.
 absl::Status CopyToHostSync(void* host_dst, const void* device_src, size_t bytes, int device);
 
+// Blocking copy of `bytes` from host memory to device memory writable on GPU `device`.
+// Unavailable without CUDA; InvalidArgument for a null pointer; Internal on a device error.
+absl::Status CopyToDeviceSync(void* device_dst, const void* host_src, size_t bytes, int device);
+
+// The ordinal of the GPU that holds the device allocation `device_ptr` (cudaPointerGetAttributes).
+// Unavailable without CUDA, InvalidArgument for a pointer that is not device memory.
+absl::StatusOr<int> DeviceOf(const void* device_ptr);
+
 // Why no device is usable (e.g. "CUDA driver version is insufficient..."), or "" when one is.
 std::string NoDeviceReason();
 

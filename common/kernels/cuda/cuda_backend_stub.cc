@@ -40,4 +40,12 @@ absl::Status CopyToHostSync(void*, const void*, size_t, int) {
   return absl::UnavailableError("cuda copy to host: built without CUDA (HMOE_CUDA=OFF)");
 }
 
+absl::Status CopyToDeviceSync(void*, const void*, size_t, int) {
+  return absl::UnavailableError("cuda copy to device: built without CUDA (HMOE_CUDA=OFF)");
+}
+
+absl::StatusOr<int> DeviceOf(const void*) {
+  return absl::UnavailableError("cuda device of a pointer: built without CUDA (HMOE_CUDA=OFF)");
+}
+
 }  // namespace hmoe::cuda
