@@ -17,6 +17,7 @@
 // Exit status: 0 every measurement ran, 1 some failed or were skipped for memory, 2 no CUDA device
 // (or a CPU-only build), 3 the watchdog stopped a stuck run, 64 bad flags.
 
+#include <cublasLt.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -351,6 +352,7 @@ struct Peaks {
   double f32_tflops = 0;   // cuBLAS SGEMM 8192^3, no TF32
   double bw_gbs = 0;       // max(D2D copy, read kernel), bytes read + written
   double h2d_gbs = 0;      // cudaMemcpyAsync from cudaHostRegister'ed memory
+  double fp8_tflops = 0;   // cuBLASLt FP8 E4M3 GEMM 8192^3, per-tensor scales (measured last)
 };
 
 struct Result {
@@ -391,6 +393,9 @@ Fractions FractionsOf(const Result& r, const Peaks& p) {
   } else if (r.compute_peak == "f32" && p.f32_tflops > 0) {
     f.compute = Tflops(r) / p.f32_tflops;
     f.compute_ref = "sgemm_8192";
+  } else if (r.compute_peak == "fp8" && p.fp8_tflops > 0) {
+    f.compute = Tflops(r) / p.fp8_tflops;
+    f.compute_ref = "fp8_gemm_8192";
   }
   const double bw = r.h2d ? p.h2d_gbs : p.bw_gbs;
   if (r.bytes > 0 && bw > 0) {
@@ -436,34 +441,46 @@ class Report {
 
   // The summary the issue's acceptance asks for, then the final JSON.
   void Finish(double seconds, bool aborted, const std::string& abort_reason) {
-    // FP8 prefill linears at M >= 4096 against the BF16 GEMM peak (target: >= 40 %).
-    std::vector<double> fr;
-    for (const Result& r : results_) {
-      if (r.group == "linear" && r.status == "ok" && r.shape_json.value("M", 0) >= 4096) {
-        fr.push_back(FractionsOf(r, peaks_).compute);
-      }
-    }
     json summary;
     summary["seconds"] = seconds;
     summary["problems"] = problems_;
     summary["aborted"] = aborted;
     if (aborted) summary["abort_reason"] = abort_reason;
     std::printf("\nSummary (%.1f s)\n", seconds);
-    if (!fr.empty() && peaks_.bf16_tflops > 0) {
+    // Issue 20's target: FP8 prefill linears at M >= 4096 reach >= 40 % of the measured dense GEMM
+    // peak of the dtype used: BF16 for Device::Linear (it runs BF16 GEMMs), FP8 for cuBLASLt's.
+    struct Group {
+      const char* group;
+      const char* label;
+      const char* peak_name;
+      double peak;
+      const char* key;
+    };
+    const Group groups[] = {
+        {"linear", "Device::Linear FP8", "BF16 GEMM", peaks_.bf16_tflops, "fp8_linear_m_ge_4096"},
+        {"lt_fp8", "cuBLASLt FP8 block-scaled", "FP8 GEMM", peaks_.fp8_tflops,
+         "lt_fp8_blockscaled_m_ge_4096"}};
+    for (const Group& g : groups) {
+      std::vector<double> fr;
+      for (const Result& r : results_) {
+        if (r.group == g.group && r.status == "ok" && r.shape_json.value("M", 0) >= 4096) {
+          fr.push_back(FractionsOf(r, peaks_).compute);
+        }
+      }
+      if (fr.empty() || g.peak <= 0) continue;
       std::sort(fr.begin(), fr.end());
       const double med = fr[fr.size() / 2];
       std::printf(
-          "  FP8 linear at M >= 4096: %zu shapes, fraction of the BF16 GEMM peak (%.1f TFLOP/s): "
-          "min %.1f%%, median %.1f%%, max %.1f%%; issue 20 target >= 40%%: %s\n",
-          fr.size(), peaks_.bf16_tflops, 100 * fr.front(), 100 * med, 100 * fr.back(),
+          "  %s at M >= 4096: %zu shapes, fraction of the %s peak (%.1f TFLOP/s): min %.1f%%, "
+          "median %.1f%%, max %.1f%%; issue 20 target >= 40%%: %s\n",
+          g.label, fr.size(), g.peak_name, g.peak, 100 * fr.front(), 100 * med, 100 * fr.back(),
           fr.front() >= 0.4 ? "MET by every shape"
           : med >= 0.4      ? "met by the median, not by every shape"
                             : "NOT MET");
-      summary["fp8_linear_m_ge_4096"] = {{"count", fr.size()},
-                                         {"min_fraction_of_bf16_peak", fr.front()},
-                                         {"median_fraction_of_bf16_peak", med},
-                                         {"max_fraction_of_bf16_peak", fr.back()},
-                                         {"target", 0.4}};
+      summary[g.key] = {{"count", fr.size()},     {"peak", g.peak_name},
+                        {"peak_tflops", g.peak},  {"min_fraction", fr.front()},
+                        {"median_fraction", med}, {"max_fraction", fr.back()},
+                        {"target", 0.4}};
     }
     std::printf("  %d measurement(s) failed or skipped%s\n", problems_,
                 aborted ? absl::StrCat("; run ABORTED: ", abort_reason).c_str() : "");
@@ -472,9 +489,6 @@ class Report {
   }
 
   int problems() const { return problems_; }
-
-  // Notes a problem that has no result row of its own (e.g. a shape's setup failed).
-  void CountProblem() { ++problems_; }
 
  private:
   json ToJson(const Result& r) const {
@@ -517,7 +531,8 @@ class Report {
     doc_["peaks"] = {{"bf16_gemm_8192_tflops", peaks_.bf16_tflops},
                      {"sgemm_8192_tflops", peaks_.f32_tflops},
                      {"device_bandwidth_gbps", peaks_.bw_gbs},
-                     {"h2d_registered_gbps", peaks_.h2d_gbs}};
+                     {"h2d_registered_gbps", peaks_.h2d_gbs},
+                     {"fp8_gemm_8192_tflops", peaks_.fp8_tflops}};
     const std::string tmp = opt_.json_path + ".tmp";
     {
       std::ofstream out(tmp, std::ios::trunc);
@@ -567,6 +582,7 @@ class GpuBench {
 
   ~GpuBench() {
     ReleaseHost();
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
   }
 
@@ -576,6 +592,10 @@ class GpuBench {
     BENCH_CUBLAS(cublasCreate(&cublas_));
     BENCH_CUBLAS(cublasSetStream(cublas_, cs_));
     BENCH_CUBLAS(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));  // no TF32
+    int device = 0, l2 = 0;
+    BENCH_CUDA(cudaGetDevice(&device));
+    BENCH_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+    l2_bytes_ = static_cast<size_t>(std::max(l2, 1 << 20));
     absl::StatusOr<DeviceBuffer> probe = device_.Allocate(4096);
     if (!probe.ok()) return probe.status();
     probe_ = *std::move(probe);
@@ -595,6 +615,9 @@ class GpuBench {
     if (!broken_) MlaDecode();
     if (!broken_) MoeGates();
     if (!broken_) HostToDevice();
+    // Last: cuBLASLt's FP8 paths are new and their scale layouts strict; should one fault the
+    // context, every other result is already in.
+    if (!broken_) LtFp8();
   }
 
  private:
@@ -603,6 +626,14 @@ class GpuBench {
   // Allocates through the device (its budget) and reports what did not fit.
   absl::StatusOr<DeviceBuffer> Alloc(size_t bytes) {
     return device_.Allocate(std::max<size_t>(bytes, 64));
+  }
+
+  // How many copies of an operand of `bytes` the repeated calls cycle through so that together
+  // they span 4x the L2 cache: back-to-back calls on one copy would read a decode op's weights
+  // from L2 (50 MB on an H100), which a real decode step (other layers in between) never does.
+  int64_t Rotations(size_t bytes) const {
+    if (bytes == 0) return 1;
+    return std::clamp<int64_t>(static_cast<int64_t>((4 * l2_bytes_ + bytes - 1) / bytes), 1, 32);
   }
 
   // Whether `bytes` (plus a margin for the op's scratch) fit on the GPU now.
@@ -875,7 +906,9 @@ class GpuBench {
     const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
     const size_t w_bytes = static_cast<size_t>(n * k);
     const size_t s_bytes = static_cast<size_t>(nb * kb) * 4;
-    const size_t need = w_bytes + s_bytes + static_cast<size_t>(n * k) * 2 +
+    const size_t wb_bytes = static_cast<size_t>(n * k) * 2;
+    const int64_t rot = Rotations(w_bytes), rot_b = Rotations(wb_bytes);
+    const size_t need = rot * w_bytes + s_bytes + rot_b * wb_bytes +
                         static_cast<size_t>(m_max * k) * 6 + static_cast<size_t>(m_max * n) * 4;
     auto all_fail = [&](const absl::Status& s, bool skipped) {
       for (int64_t m : ms) {
@@ -885,8 +918,8 @@ class GpuBench {
       }
     };
     if (absl::Status fits = CheckFits(need); !fits.ok()) return all_fail(fits, true);
-    absl::StatusOr<DeviceBuffer> w = Alloc(w_bytes), sc = Alloc(s_bytes),
-                                 wb = Alloc(static_cast<size_t>(n * k) * 2),
+    absl::StatusOr<DeviceBuffer> w = Alloc(rot * w_bytes), sc = Alloc(s_bytes),
+                                 wb = Alloc(rot_b * wb_bytes),
                                  x = Alloc(static_cast<size_t>(m_max * k) * 4),
                                  xb = Alloc(static_cast<size_t>(m_max * k) * 2),
                                  y = Alloc(static_cast<size_t>(m_max * n) * 4);
@@ -894,9 +927,9 @@ class GpuBench {
       if (!b->ok()) return all_fail(b->status(), false);
     }
     absl::Status fill = [&]() -> absl::Status {
-      BENCH_CUDA(gpubench::FillFp8(w->as<uint8_t>(), w_bytes, 11, cs_));
+      BENCH_CUDA(gpubench::FillFp8(w->as<uint8_t>(), rot * w_bytes, 11, cs_));
       BENCH_CUDA(gpubench::FillF32(sc->as<float>(), nb * kb, 12, 0.5e-3f, 1e-3f, cs_));
-      BENCH_CUDA(gpubench::FillBf16(wb->as<uint16_t>(), n * k, 13, 0.05f, cs_));
+      BENCH_CUDA(gpubench::FillBf16(wb->as<uint16_t>(), rot_b * n * k, 13, 0.05f, cs_));
       BENCH_CUDA(gpubench::FillF32(x->as<float>(), m_max * k, 14, 1.0f, 0.0f, cs_));
       BENCH_CUDA(gpubench::FillBf16(xb->as<uint16_t>(), m_max * k, 15, 1.0f, cs_));
       BENCH_CUDA(cudaStreamSynchronize(cs_));
@@ -913,20 +946,29 @@ class GpuBench {
     lw.scale_stride = kb;
     const float* xp = x->as<float>();
     float* yp = y->as<float>();
-    const void* wbp = wb->data();
+    const auto* w0 = w->as<uint8_t>();
+    const auto* wb0 = wb->as<uint8_t>();
     const void* xbp = xb->data();
+    int64_t call = 0;  // cycles through the weight copies
     for (int64_t m : ms) {
       if (broken_) return;
       Result r = LinearResult(shape, m, false);
       double fp8_ms = 0;
       if (Selected(r.id)) {
-        const Result got = Measure(r, [&] { return device_.Linear(stream_, lw, xp, k, m, yp, n); });
+        r.note = absl::StrCat(rot, " weight copies");
+        const Result got = Measure(r, [&] {
+          lw.data = w0 + (call++ % rot) * w_bytes;
+          return device_.Linear(stream_, lw, xp, k, m, yp, n);
+        });
         if (got.status == "ok") fp8_ms = got.timing.median_ms;
       }
       if (broken_) return;
       Result c = LinearResult(shape, m, true);
       if (Selected(c.id)) {
-        const Result got = Measure(c, [&] { return Gemm(true, false, n, m, k, wbp, xbp, yp); });
+        c.note = absl::StrCat(c.note, "; ", rot_b, " weight copies");
+        const Result got = Measure(c, [&] {
+          return Gemm(true, false, n, m, k, wb0 + (call++ % rot_b) * wb_bytes, xbp, yp);
+        });
         if (fp8_ms > 0 && got.status == "ok") {
           std::printf("%-44s   -> FP8 Device::Linear takes %.2fx the time of cuBLAS BF16\n", "",
                       fp8_ms / got.timing.median_ms);
@@ -1018,24 +1060,33 @@ class GpuBench {
     r.compute_peak = "f32";
     r.note = "absorbed-form FLOPs; bytes: FP8 weights + cache + q + out";
     const int64_t row = kRkv + kDr;
-    const size_t cache_bytes = static_cast<size_t>(c.blocks * kBlock * row) * 4;
+    // Decode: the calls cycle through copies of the batch's cache (and block tables), so that the
+    // cache is read from memory as in a real step; prefill reuses one (it is compute-bound).
+    const int64_t rot = c.decode ? Rotations(static_cast<size_t>(c.blocks * kBlock * row) * 4) : 1;
+    const int64_t all_blocks = rot * c.blocks;
+    const size_t cache_bytes = static_cast<size_t>(all_blocks * kBlock * row) * 4;
     const size_t q_bytes = static_cast<size_t>(c.rows * kNh * (kDn + kDr)) * 4;
     const size_t out_bytes = static_cast<size_t>(c.rows * kNh * kDv) * 4;
     if (absl::Status fits = CheckFits(cache_bytes + q_bytes + out_bytes); !fits.ok()) {
       return Fail(r, fits, true);
     }
     absl::StatusOr<DeviceBuffer> cache = Alloc(cache_bytes), q = Alloc(q_bytes),
-                                 out = Alloc(out_bytes), tables = Alloc(c.blocks * 4);
+                                 out = Alloc(out_bytes), tables = Alloc(all_blocks * 4);
     for (auto* b : {&cache, &q, &out, &tables}) {
       if (!b->ok()) return Fail(r, b->status());
     }
-    std::vector<int32_t> table(c.blocks);
-    for (int64_t i = 0; i < c.blocks; ++i) table[i] = static_cast<int32_t>(i);
+    std::vector<int32_t> table(all_blocks);
+    for (int64_t i = 0; i < all_blocks; ++i) table[i] = static_cast<int32_t>(i);
+    std::vector<std::vector<MlaSegment>> segs(rot, c.segments);
+    for (int64_t j = 0; j < rot; ++j) {
+      for (MlaSegment& sg : segs[j]) sg.block_table_offset += j * c.blocks;
+    }
+    if (rot > 1) r.note += absl::StrCat("; ", rot, " cache copies");
     absl::Status fill = [&]() -> absl::Status {
       BENCH_CUDA(gpubench::FillF32(cache->as<float>(), cache_bytes / 4, 31, 1.0f, 0.0f, cs_));
       BENCH_CUDA(gpubench::FillF32(q->as<float>(), q_bytes / 4, 32, 1.0f, 0.0f, cs_));
-      BENCH_CUDA(
-          cudaMemcpyAsync(tables->data(), table.data(), c.blocks * 4, cudaMemcpyHostToDevice, cs_));
+      BENCH_CUDA(cudaMemcpyAsync(tables->data(), table.data(), all_blocks * 4,
+                                 cudaMemcpyHostToDevice, cs_));
       BENCH_CUDA(cudaStreamSynchronize(cs_));
       return absl::OkStatus();
     }();
@@ -1051,7 +1102,9 @@ class GpuBench {
     args.segments = c.segments;
     args.out = out->as<float>();
     args.out_stride = kNh * kDv;
+    int64_t call = 0;
     Measure(r, [&] {
+      args.segments = segs[call++ % rot];
       return c.decode ? device_.MlaDecodeAttention(stream_, args)
                       : device_.MlaPrefillAttention(stream_, args);
     });
@@ -1140,6 +1193,8 @@ class GpuBench {
         "groups / top-4 groups) ==\n");
     report_.PrintHeaderRow();
     const int64_t n_max = ns.back();
+    const size_t router_bytes = e * hidden * 2;
+    const int64_t rot = Rotations(router_bytes);
     auto result = [&](int64_t n) {
       Result r;
       r.group = "moe_gate";
@@ -1149,12 +1204,16 @@ class GpuBench {
       r.flops = 2.0 * n * e * hidden;
       r.bytes = 2.0 * e * hidden + 4.0 * e + 4.0 * n * hidden + 8.0 * n * 8;
       r.compute_peak = "f32";
-      r.note = "router logits in F32 math";
+      r.note = absl::StrCat("router logits in F32 math; ", rot, " router copies");
       return r;
     };
-    const size_t need = static_cast<size_t>(n_max * hidden) * 4 + e * hidden * 2;
+    const size_t need = static_cast<size_t>(n_max * hidden) * 4 + rot * router_bytes;
     absl::Status ok = CheckFits(need);
-    absl::StatusOr<DeviceBuffer> router = Alloc(e * hidden * 2), bias = Alloc(e * 4),
+    if (!ok.ok()) {
+      for (int64_t n : ns) Fail(result(n), ok, ok.code() == absl::StatusCode::kResourceExhausted);
+      return;
+    }
+    absl::StatusOr<DeviceBuffer> router = Alloc(rot * router_bytes), bias = Alloc(e * 4),
                                  x = Alloc(static_cast<size_t>(n_max * hidden) * 4),
                                  ids = Alloc(n_max * 8 * 4), weights = Alloc(n_max * 8 * 4);
     for (auto* b : {&router, &bias, &x, &ids, &weights}) {
@@ -1162,7 +1221,7 @@ class GpuBench {
     }
     if (ok.ok()) {
       ok = [&]() -> absl::Status {
-        BENCH_CUDA(gpubench::FillBf16(router->as<uint16_t>(), e * hidden, 41, 0.02f, cs_));
+        BENCH_CUDA(gpubench::FillBf16(router->as<uint16_t>(), rot * e * hidden, 41, 0.02f, cs_));
         BENCH_CUDA(gpubench::FillF32(bias->as<float>(), e, 42, 0.05f, 0.0f, cs_));
         BENCH_CUDA(gpubench::FillF32(x->as<float>(), n_max * hidden, 43, 1.0f, 0.0f, cs_));
         BENCH_CUDA(cudaStreamSynchronize(cs_));
@@ -1180,14 +1239,220 @@ class GpuBench {
     p.topk_group = 4;
     p.norm_topk_prob = true;
     p.routed_scaling_factor = 2.5;
-    const LinearWeight rw{DType::kBF16, router->data(), e, hidden, hidden, nullptr, 0};
+    LinearWeight rw{DType::kBF16, router->data(), e, hidden, hidden, nullptr, 0};
+    const auto* r0 = router->as<uint8_t>();
+    int64_t call = 0;
     const VectorWeight bw{DType::kF32, bias->data(), e};
     for (int64_t n : ns) {
       if (broken_) return;
       Measure(result(n), [&] {
+        rw.data = r0 + (call++ % rot) * router_bytes;
         return device_.MoeGate(stream_, x->as<float>(), hidden, n, rw, bw, p, ids->as<int32_t>(),
                                weights->as<float>());
       });
+    }
+  }
+
+  // ---- cuBLASLt FP8 (what issue 20 item 3 would put under Device::Linear)
+
+  // D [m x n] BF16 (column-major) = op_T(A) [m x k] * B [k x n], A and B FP8 E4M3 in the layout
+  // of Gemm(). Block-scaled: A (the weight) has one F32 scale per 128x128 block
+  // (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F), B (the activations) one per 1x128 block along
+  // k (VEC128_32F), as DeepSeek-V3's checkpoints and activation quantization; otherwise no scales
+  // (per-tensor 1.0: the FP8 tensor-core peak). Planned once (descriptors, heuristic algorithm),
+  // run many times: the timed calls are the GEMM alone.
+  class LtPlan {
+   public:
+    ~LtPlan() {
+      if (pref_ != nullptr) cublasLtMatmulPreferenceDestroy(pref_);
+      if (ld_ != nullptr) cublasLtMatrixLayoutDestroy(ld_);
+      if (lb_ != nullptr) cublasLtMatrixLayoutDestroy(lb_);
+      if (la_ != nullptr) cublasLtMatrixLayoutDestroy(la_);
+      if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
+    }
+
+    absl::Status Init(cublasLtHandle_t lt, int64_t m, int64_t n, int64_t k, const float* a_scales,
+                      const float* b_scales, void* workspace, size_t workspace_bytes) {
+      lt_ = lt;
+      workspace_ = workspace;
+      workspace_bytes_ = workspace_bytes;
+      BENCH_CUBLAS(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+      BENCH_CUBLAS(
+          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+      BENCH_CUBLAS(
+          cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+      if (a_scales != nullptr) {
+        const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+        const int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
+                                                    sizeof(a_mode)));
+        BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
+                                                    sizeof(b_mode)));
+        BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                    &a_scales, sizeof(a_scales)));
+        BENCH_CUBLAS(cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                    &b_scales, sizeof(b_scales)));
+      }
+      BENCH_CUBLAS(cublasLtMatrixLayoutCreate(&la_, CUDA_R_8F_E4M3, k, m, k));
+      BENCH_CUBLAS(cublasLtMatrixLayoutCreate(&lb_, CUDA_R_8F_E4M3, k, n, k));
+      BENCH_CUBLAS(cublasLtMatrixLayoutCreate(&ld_, CUDA_R_16BF, m, n, m));
+      BENCH_CUBLAS(cublasLtMatmulPreferenceCreate(&pref_));
+      const uint64_t ws = workspace_bytes;
+      BENCH_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
+          pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+      int found = 0;
+      BENCH_CUBLAS(
+          cublasLtMatmulAlgoGetHeuristic(lt, op_, la_, lb_, ld_, ld_, pref_, 1, &heur_, &found));
+      if (found == 0) {
+        return absl::UnimplementedError("cuBLASLt offers no algorithm for this FP8 GEMM");
+      }
+      return absl::OkStatus();
+    }
+
+    absl::Status Run(const void* a, const void* b, void* d, cudaStream_t stream) {
+      const float alpha = 1.0f, beta = 0.0f;
+      BENCH_CUBLAS(cublasLtMatmul(lt_, op_, &alpha, a, la_, b, lb_, &beta, d, ld_, d, ld_,
+                                  &heur_.algo, workspace_, workspace_bytes_, stream));
+      return absl::OkStatus();
+    }
+
+   private:
+    cublasLtHandle_t lt_ = nullptr;
+    cublasLtMatmulDesc_t op_ = nullptr;
+    cublasLtMatrixLayout_t la_ = nullptr, lb_ = nullptr, ld_ = nullptr;
+    cublasLtMatmulPreference_t pref_ = nullptr;
+    cublasLtMatmulHeuristicResult_t heur_{};
+    void* workspace_ = nullptr;
+    size_t workspace_bytes_ = 0;
+  };
+
+  // Plans and times one cuBLASLt FP8 GEMM (a failed plan is the result's error).
+  Result MeasureLt(Result r, int64_t m, int64_t n, int64_t k, const void* a, const void* b, void* d,
+                   const float* a_scales, const float* b_scales) {
+    LtPlan plan;
+    if (absl::Status s = plan.Init(lt_, m, n, k, a_scales, b_scales, lt_workspace_.data(),
+                                   lt_workspace_.size_bytes());
+        !s.ok()) {
+      r.status = "failed";
+      r.error = std::string(s.message());
+      report_.Add(r);
+      return r;
+    }
+    return Measure(r, [&] { return plan.Run(a, b, d, cs_); });
+  }
+
+  void LtFp8() {
+    const bool peak = Selected("lt_fp8/gemm_8192");
+    std::vector<std::pair<const LinearShape*, std::vector<int64_t>>> todo;
+    for (const LinearShape& shape : kLinearShapes) {
+      std::vector<int64_t> ms;
+      for (int64_t m : kTokenCounts) {
+        if (m >= 512 && m <= opt_.max_m &&
+            Selected(absl::StrCat("lt_fp8/", shape.name, "/M=", m, "/blockscaled"))) {
+          ms.push_back(m);
+        }
+      }
+      if (!ms.empty()) todo.emplace_back(&shape, std::move(ms));
+    }
+    if (!peak && todo.empty()) return;
+    std::printf(
+        "\n== cuBLASLt FP8 E4M3 GEMM (not used by the Device yet: the vendor path of issue 20 item "
+        "3), BF16 out ==\n");
+    report_.PrintHeaderRow();
+    absl::Status init = [&]() -> absl::Status {
+      if (lt_ == nullptr) BENCH_CUBLAS(cublasLtCreate(&lt_));
+      absl::StatusOr<DeviceBuffer> ws = Alloc(32 * kMiB);
+      if (!ws.ok()) return ws.status();
+      lt_workspace_ = *std::move(ws);
+      return absl::OkStatus();
+    }();
+    if (peak) {
+      const int64_t s = 8192;
+      Result r;
+      r.group = "lt_fp8";
+      r.id = "lt_fp8/gemm_8192";
+      r.shape = "M=N=K=8192";
+      r.shape_json = {{"M", s}, {"N", s}, {"K", s}};
+      r.flops = 2.0 * s * s * s;
+      r.compute_peak = "bf16";
+      r.note = "E4M3 x E4M3 -> BF16, per-tensor scale: the FP8 peak";
+      absl::StatusOr<DeviceBuffer> a = Alloc(s * s), b = Alloc(s * s), d = Alloc(s * s * 2);
+      absl::Status ok = init;
+      for (auto* buf : {&a, &b, &d}) {
+        if (ok.ok() && !buf->ok()) ok = buf->status();
+      }
+      if (ok.ok()) {
+        ok = [&]() -> absl::Status {
+          BENCH_CUDA(gpubench::FillFp8(a->as<uint8_t>(), s * s, 51, cs_));
+          BENCH_CUDA(gpubench::FillFp8(b->as<uint8_t>(), s * s, 52, cs_));
+          return absl::OkStatus();
+        }();
+      }
+      if (!ok.ok()) {
+        Fail(r, ok);
+      } else {
+        const Result got = MeasureLt(r, s, s, s, a->data(), b->data(), d->data(), nullptr, nullptr);
+        if (got.status == "ok") report_.peaks().fp8_tflops = Tflops(got);
+      }
+    }
+    for (const auto& [shape, ms] : todo) {
+      if (broken_) return;
+      LtShapeRun(*shape, ms, init);
+    }
+  }
+
+  void LtShapeRun(const LinearShape& shape, const std::vector<int64_t>& ms,
+                  const absl::Status& init) {
+    const int64_t n = shape.n, k = shape.k, m_max = ms.back();
+    const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+    auto result = [&](int64_t m) {
+      Result r;
+      r.group = "lt_fp8";
+      r.id = absl::StrCat("lt_fp8/", shape.name, "/M=", m, "/blockscaled");
+      r.shape = absl::StrCat("M=", m, " N=", n, " K=", k);
+      r.shape_json = {{"M", m}, {"N", n}, {"K", k}, {"layer", shape.name}};
+      r.flops = 2.0 * m * n * k;
+      r.compute_peak = "fp8";
+      r.note = "weight 128x128 + activation 1x128 block scales";
+      return r;
+    };
+    // Scale buffers far larger than any layout cuBLASLt could read (padding of the token dimension
+    // to 4 or 128, either major order): a wrong guess of the layout costs accuracy, never memory
+    // safety.
+    const size_t a_scale_bytes = static_cast<size_t>((nb + 4) * (kb + 4)) * 4 * 4;
+    const size_t b_scale_bytes = static_cast<size_t>((m_max + 128) * (kb + 4)) * 4 * 4;
+    const size_t need =
+        static_cast<size_t>(n * k + m_max * k + m_max * n * 2) + a_scale_bytes + b_scale_bytes;
+    absl::Status ok = init;
+    if (ok.ok()) ok = CheckFits(need);
+    const bool skipped = ok.code() == absl::StatusCode::kResourceExhausted;
+    absl::StatusOr<DeviceBuffer> w = Alloc(ok.ok() ? n * k : 64),
+                                 x = Alloc(ok.ok() ? m_max * k : 64),
+                                 d = Alloc(ok.ok() ? m_max * n * 2 : 64),
+                                 sa = Alloc(ok.ok() ? a_scale_bytes : 64),
+                                 sb = Alloc(ok.ok() ? b_scale_bytes : 64);
+    for (auto* buf : {&w, &x, &d, &sa, &sb}) {
+      if (ok.ok() && !buf->ok()) ok = buf->status();
+    }
+    if (ok.ok()) {
+      ok = [&]() -> absl::Status {
+        BENCH_CUDA(gpubench::FillFp8(w->as<uint8_t>(), n * k, 61, cs_));
+        BENCH_CUDA(gpubench::FillFp8(x->as<uint8_t>(), m_max * k, 62, cs_));
+        BENCH_CUDA(gpubench::FillF32(sa->as<float>(), a_scale_bytes / 4, 63, 0.5e-3f, 1e-3f, cs_));
+        BENCH_CUDA(gpubench::FillF32(sb->as<float>(), b_scale_bytes / 4, 64, 0.5e-3f, 1e-3f, cs_));
+        BENCH_CUDA(cudaStreamSynchronize(cs_));
+        return absl::OkStatus();
+      }();
+    }
+    if (!ok.ok()) {
+      for (int64_t m : ms) Fail(result(m), ok, skipped);
+      return;
+    }
+    for (int64_t m : ms) {
+      if (broken_) return;
+      MeasureLt(result(m), n, m, k, w->data(), x->data(), d->data(), sa->as<float>(),
+                sb->as<float>());
     }
   }
 
@@ -1266,6 +1531,9 @@ class GpuBench {
   Report& report_;
   Timer timer_;
   cublasHandle_t cublas_ = nullptr;
+  size_t l2_bytes_ = 50 * kMiB;
+  cublasLtHandle_t lt_ = nullptr;
+  DeviceBuffer lt_workspace_;
   DeviceBuffer probe_;
   void* host_ = nullptr;
   bool broken_ = false;
