@@ -1608,6 +1608,16 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "hmoe_gpu_bench: %s\n%s", err.c_str(), kUsage);
     return 64;
   }
+  if (!opt.json_path.empty()) {
+    std::ofstream probe(opt.json_path + ".tmp", std::ios::trunc);
+    if (!probe) {
+      std::fprintf(stderr, "hmoe_gpu_bench: --json: cannot write %s.tmp: %s\n",
+                   opt.json_path.c_str(), std::strerror(errno));
+      return 64;
+    }
+    probe.close();
+    std::remove((opt.json_path + ".tmp").c_str());
+  }
   const int count = CudaDeviceCount();
   if (count == 0) {
     std::fprintf(stderr,
