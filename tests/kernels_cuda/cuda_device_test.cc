@@ -357,7 +357,7 @@ class CudaFp8LinearTest : public CudaVsCpuTest,
 };
 
 TEST_P(CudaFp8LinearTest, OverSeveralRowAndTokenChunksMatchesCpuWithinTheModesBound) {
-  const bool blocks = GetParam() == CudaFp8Linear::kBlocks;
+  const bool blocks_mode = GetParam() == CudaFp8Linear::kBlocks;
   struct Case {
     int64_t rows, cols, n, x_pad;
   };
@@ -370,12 +370,18 @@ TEST_P(CudaFp8LinearTest, OverSeveralRowAndTokenChunksMatchesCpuWithinTheModesBo
       // Partial column block, 520 % 16 != 0 and an odd activation stride: the one-element
       // conversion kernels.
       {300, 520, 40, 3},
+      // Decode sizes (LaunchSmallLinear, the block numerics in both modes): 16 codes per lane
+      // over two token groups (8 + 1), aligned and odd activation strides; one code per lane.
+      {4700, 7168, 9, 8},
+      {640, 1536, 16, 1},
+      {300, 520, 5, 3},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(::testing::Message() << "[" << k.rows << ", " << k.cols << "] n=" << k.n);
     const int64_t rows = k.rows, cols = k.cols, n = k.n;
     const int64_t x_stride = cols + k.x_pad, y_stride = rows + 4;
     const int64_t num_blocks = (cols + 127) / 128;
+    const bool blocks = blocks_mode || n <= 16;  // decode calls keep the block numerics
     const Fp8Weight w = MakeFp8(rows, cols, 1);
     const std::vector<float> x = RandomFloats(n * x_stride, 2);
     LinearWeight cpu_w{DType::kF8E4M3, w.codes.data(),  rows,      cols,

@@ -95,7 +95,9 @@ cudaError_t LaunchBlockScaleCombine(const float* partials, int64_t num_blocks, i
 // values, times the block's scale, summed over the blocks in order; BF16/F32: F32 sums.
 // W_b = descs[b] (device array) when descs is non-null, else `single` for every b. One warp per
 // output row (all tokens at once): the weight is read once per 8 tokens, which makes this the
-// bandwidth-bound path for n <= kSmallLinearMaxTokens. batch <= 65535.
+// bandwidth-bound path for n <= kSmallLinearMaxTokens. FP8 rows of whole 128-column blocks with
+// 16-byte aligned data and row stride (DeepSeek-V3's) are loaded 16 codes per lane (8 lanes per
+// block, a butterfly for the block sum); other weights one element per lane. batch <= 65535.
 inline constexpr int64_t kSmallLinearMaxTokens = 16;
 cudaError_t LaunchSmallLinear(const WeightDesc& single, const WeightDesc* descs, int64_t batch,
                               int64_t row_base, int64_t row_step, int64_t rows, const float* x,
