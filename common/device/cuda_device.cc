@@ -18,11 +18,20 @@
 // Linear layers: y = W x with cuBLAS (column-major view: y^T = W x^T, A = W with op T), following
 // device.h's numerics exactly up to F32 summation order. BF16 weights: BF16 x BF16 GEMM with F32
 // accumulation (CUBLAS_COMPUTE_32F) on activations rounded to BF16 (round to nearest even, as
-// CpuDevice). FP8 weights: the codes dequantized to BF16 *without* their scale (exact: E4M3 fits
-// in BF16), one BF16 GEMM per 128-column block (a strided batch) into F32 partial sums, then each
-// block's sum times its block scale, summed over the blocks (LaunchBlockScaleCombine): the block
-// structure of CpuDevice's FP8 kernels. Folding the scale into BF16 weights instead would round
-// every weight to 8 bits (2^-9 relative error). F32 weights: F32 GEMM, no TF32. Calls with at most
+// CpuDevice). FP8 weights, two modes (CudaDeviceOptions::fp8_linear, or HMOE_CUDA_FP8_LINEAR):
+//   - bf16 (the default): each code times its 128x128 block scale, rounded to BF16 once per call
+//     (LaunchFp8ToScaledBf16, 16 codes per thread, into the arena), then ONE tensor-core BF16 GEMM
+//     over the full K with F32 accumulation. Numerics: each weight w = code * scale becomes
+//     bf16(fl32(w)), relative error <= 2^-9 + 2^-24 (the size of the activations' own BF16
+//     rounding), so an output moves by at most (2^-9 + 2^-24) * sum_c |w_c x~_c| beyond the F32
+//     summation error (x~: the BF16 activations). This is device.h's one exception to the block
+//     numerics.
+//   - blocks: the codes dequantized to BF16 *without* their scale (exact: E4M3 fits in BF16), one
+//     BF16 GEMM per 128-column block (a strided batch, K = 128) into F32 partial sums, then each
+//     block's sum times its block scale, summed over the blocks (LaunchBlockScaleCombine): the
+//     block structure of CpuDevice's FP8 kernels, exact up to F32 summation order, but the
+//     K / 128 partial planes of M x N floats make it memory-bound.
+// F32 weights: F32 GEMM, no TF32. Calls with at most
 // kSmallLinearMaxTokens tokens (decode) skip cuBLAS: LaunchSmallLinear streams the weight once in
 // its own dtype with the same arithmetic, and needs no temporaries.
 //
@@ -34,6 +43,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -303,6 +313,8 @@ absl::Status RunLinear(CudaStream& s, const LinearPlan& plan, std::byte* scratch
   const int64_t elem = f32 ? 4 : 2;
   auto* xb = reinterpret_cast<uint16_t*>(scratch + plan.x_offset);
   auto* partials = reinterpret_cast<float*>(scratch + plan.partial_offset);
+  // With one row chunk, the converted weight stays in the arena across token chunks.
+  bool packed = false;
   for (int64_t t0 = 0; t0 < n; t0 += plan.token_chunk) {
     const int64_t tn = std::min(plan.token_chunk, n - t0);
     const void* b = x + t0 * x_stride;
@@ -318,17 +330,27 @@ absl::Status RunLinear(CudaStream& s, const LinearPlan& plan, std::byte* scratch
       const void* a = static_cast<const std::byte*>(w.data) + r0 * w.row_stride * elem;
       int64_t lda = w.row_stride;
       if (!plan.direct) {
-        const cuda::PackMode mode = plan.mode == LinearMode::kF32 ? cuda::PackMode::kF32
-                                    : plan.mode == LinearMode::kBf16
-                                        ? cuda::PackMode::kBf16
-                                        : cuda::PackMode::kFp8CodesBf16;
-        HMOE_LAUNCH(cuda::LaunchPackWeight(desc, r0, rn, plan.k_padded, scratch + plan.w_offset,
-                                           mode, s.get()));
+        if (!packed) {
+          if (plan.mode == LinearMode::kFp8Bf16) {
+            HMOE_LAUNCH(cuda::LaunchFp8ToScaledBf16(
+                desc, r0, rn, reinterpret_cast<uint16_t*>(scratch + plan.w_offset), plan.k_padded,
+                s.get()));
+          } else {
+            const cuda::PackMode mode = plan.mode == LinearMode::kF32 ? cuda::PackMode::kF32
+                                        : plan.mode == LinearMode::kBf16
+                                            ? cuda::PackMode::kBf16
+                                            : cuda::PackMode::kFp8CodesBf16;
+            HMOE_LAUNCH(cuda::LaunchPackWeight(desc, r0, rn, plan.k_padded, scratch + plan.w_offset,
+                                               mode, s.get()));
+          }
+          packed = rn == w.rows;
+        }
         a = scratch + plan.w_offset;
         lda = plan.k_padded;
       }
       float* out = y + t0 * y_stride + r0;
-      if (plan.mode != LinearMode::kFp8) {
+      if (plan.mode != LinearMode::kFp8Blocks) {
+        // kFp8Bf16 included: one GEMM over all w.cols columns of the scaled BF16 weight.
         HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), !f32, rn, tn, w.cols, a, lda, 0, b, ldb,
                                                 0, out, y_stride, 0, 1));
         continue;
@@ -576,8 +598,10 @@ absl::Status RunMlaProject(CudaStream& s, const MlaDimensions& d, const LinearWe
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(int ordinal, size_t budget)
-      : ordinal_(ordinal), state_(std::make_unique<CudaDeviceState>(ordinal, budget)) {}
+  CudaDevice(int ordinal, size_t budget, bool fp8_blocks)
+      : ordinal_(ordinal),
+        fp8_blocks_(fp8_blocks),
+        state_(std::make_unique<CudaDeviceState>(ordinal, budget)) {}
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   std::string name() const override { return absl::StrCat("cuda:", ordinal_); }
@@ -663,7 +687,7 @@ class CudaDevice final : public Device {
                                           cs.get()));
       return absl::OkStatus();
     }
-    const LinearPlan plan = PlanLinear(w, /*f32=*/false, n);
+    const LinearPlan plan = PlanLinear(w, /*f32=*/false, n, fp8_blocks_);
     std::byte* scratch = nullptr;
     if (plan.bytes > 0) {
       HMOE_ASSIGN_OR_RETURN(scratch, cs.Scratch(plan.bytes));
@@ -877,8 +901,20 @@ class CudaDevice final : public Device {
   }
 
   const int ordinal_;
+  const bool fp8_blocks_;  // CudaFp8Linear::kBlocks
   std::unique_ptr<CudaDeviceState> state_;
 };
+
+// CudaDeviceOptions::fp8_linear with kFromEnvironment resolved: true for kBlocks.
+absl::StatusOr<bool> Fp8LinearBlocks(CudaFp8Linear mode) {
+  if (mode == CudaFp8Linear::kBf16) return false;
+  if (mode == CudaFp8Linear::kBlocks) return true;
+  const char* env = std::getenv("HMOE_CUDA_FP8_LINEAR");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "bf16") == 0) return false;
+  if (std::strcmp(env, "blocks") == 0) return true;
+  return absl::InvalidArgumentError(
+      absl::StrCat("HMOE_CUDA_FP8_LINEAR=\"", env, "\": expected \"bf16\" or \"blocks\""));
+}
 
 }  // namespace
 
@@ -890,6 +926,15 @@ void* NativeCudaStream(Stream& stream) {
 }
 
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal, size_t budget_bytes) {
+  CudaDeviceOptions options;
+  options.budget_bytes = budget_bytes;
+  return NewCudaDevice(ordinal, options);
+}
+
+absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal,
+                                                      const CudaDeviceOptions& options) {
+  HMOE_ASSIGN_OR_RETURN(const bool fp8_blocks, Fp8LinearBlocks(options.fp8_linear));
+  size_t budget_bytes = options.budget_bytes;
   const int count = cuda::DeviceCount();
   if (ordinal < 0 || ordinal >= count) {
     return absl::UnavailableError(absl::StrCat("cuda device ", ordinal, " not visible (", count,
@@ -901,7 +946,7 @@ absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal, size_t budget
     HMOE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
     budget_bytes = free_bytes;
   }
-  return std::unique_ptr<Device>(new CudaDevice(ordinal, budget_bytes));
+  return std::unique_ptr<Device>(new CudaDevice(ordinal, budget_bytes, fp8_blocks));
 }
 
 }  // namespace hmoe

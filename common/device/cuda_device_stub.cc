@@ -14,4 +14,9 @@ absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int /*ordinal*/, size_t /*
   return absl::UnavailableError("built without CUDA (HMOE_CUDA=OFF or no nvcc)");
 }
 
+absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal,
+                                                      const CudaDeviceOptions& options) {
+  return NewCudaDevice(ordinal, options.budget_bytes);
+}
+
 }  // namespace hmoe

@@ -4,17 +4,22 @@
 
 namespace hmoe::internal {
 
-LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n) {
+LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n, bool fp8_blocks) {
   LinearPlan p;
   p.mode = f32 || w.dtype == DType::kF32 ? LinearMode::kF32
            : w.dtype == DType::kBF16     ? LinearMode::kBf16
-                                         : LinearMode::kFp8;
+           : fp8_blocks                  ? LinearMode::kFp8Blocks
+                                         : LinearMode::kFp8Bf16;
   const int64_t elem = p.mode == LinearMode::kF32 ? 4 : 2;
   p.direct = p.mode == LinearMode::kF32
                  ? w.dtype == DType::kF32
                  : p.mode == LinearMode::kBf16 && reinterpret_cast<uintptr_t>(w.data) % 2 == 0;
   p.num_blocks = (w.cols + 127) / 128;
-  p.k_padded = p.mode == LinearMode::kFp8 ? p.num_blocks * 128 : w.cols;
+  // kFp8Bf16: rows of 16-byte multiples, which the vectorized conversions and the tensor-core
+  // GEMM kernels prefer.
+  p.k_padded = p.mode == LinearMode::kFp8Blocks ? p.num_blocks * 128
+               : p.mode == LinearMode::kFp8Bf16 ? (w.cols + 7) / 8 * 8
+                                                : w.cols;
   p.row_chunk = w.rows;
   if (!p.direct) {
     // Multiples of 128 rows, as FP8 block scales require.
@@ -25,7 +30,7 @@ LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n) {
   if (p.mode != LinearMode::kF32) {
     p.token_chunk = std::clamp<int64_t>(kCudaActivationChunkBytes / (p.k_padded * 2), 1, n);
   }
-  if (p.mode == LinearMode::kFp8) {
+  if (p.mode == LinearMode::kFp8Blocks) {
     const int64_t per_token = p.num_blocks * p.row_chunk * 4;
     p.token_chunk = std::clamp<int64_t>(kCudaActivationChunkBytes / per_token, 1, p.token_chunk);
   }
@@ -34,7 +39,7 @@ LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n) {
     p.x_offset = layout.Add(static_cast<size_t>(p.token_chunk * p.k_padded * 2));
   }
   if (!p.direct) p.w_offset = layout.Add(static_cast<size_t>(p.row_chunk * p.k_padded * elem));
-  if (p.mode == LinearMode::kFp8) {
+  if (p.mode == LinearMode::kFp8Blocks) {
     p.partial_offset =
         layout.Add(static_cast<size_t>(p.num_blocks * p.token_chunk * p.row_chunk * 4));
   }

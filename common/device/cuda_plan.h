@@ -42,30 +42,36 @@ class ScratchLayout {
 };
 
 // How CudaDevice computes y = W x for n tokens (cuda_device.cc explains the numerics):
-//   kF32:  F32 GEMM; F32 weights in place, others converted exactly to F32 in row chunks;
-//   kBf16: BF16 weights (in place when 2-byte aligned, else copied in row chunks) x BF16
-//          activations;
-//   kFp8:  FP8 codes as exact BF16 (row chunks, columns zero-padded to whole 128-blocks) x BF16
-//          activations, one GEMM per 128-column block (a strided batch) into F32 partial sums,
-//          then each block's sum times its block scale, summed over blocks.
+//   kF32:       F32 GEMM; F32 weights in place, others converted exactly to F32 in row chunks;
+//   kBf16:      BF16 weights (in place when 2-byte aligned, else copied in row chunks) x BF16
+//               activations;
+//   kFp8Bf16:   FP8 codes times their block scales rounded to BF16 (row chunks, leading dimension
+//               padded to a multiple of 8 elements) x BF16 activations: one GEMM over all columns
+//               (CudaFp8Linear::kBf16);
+//   kFp8Blocks: FP8 codes as exact BF16 (row chunks, columns zero-padded to whole 128-blocks) x
+//               BF16 activations, one GEMM per 128-column block (a strided batch) into F32
+//               partial sums, then each block's sum times its block scale, summed over blocks
+//               (CudaFp8Linear::kBlocks).
 // Token chunks bound the BF16 activations and the partial sums.
-enum class LinearMode { kF32, kBf16, kFp8 };
+enum class LinearMode { kF32, kBf16, kFp8Bf16, kFp8Blocks };
 
 struct LinearPlan {
   LinearMode mode = LinearMode::kF32;
   bool direct = false;     // W used in place
-  int64_t k_padded = 0;    // columns of the BF16 activations / packed weight (kFp8: whole blocks)
+  int64_t k_padded = 0;    // leading dimension of the BF16 activations / packed weight
+                           // (kFp8Blocks: whole blocks, zero-filled; the GEMMs' K is w.cols else)
   int64_t num_blocks = 0;  // 128-column blocks of W
   int64_t row_chunk = 0;   // weight rows per pass: all of them, or a multiple of 128
   int64_t token_chunk = 0;
   size_t x_offset = 0;        // arena offsets of the BF16 activations,
   size_t w_offset = 0;        // the converted weight rows,
-  size_t partial_offset = 0;  // the FP8 block partial sums
+  size_t partial_offset = 0;  // the FP8 block partial sums (kFp8Blocks)
   size_t bytes = 0;           // arena bytes needed
 };
 
 // `w` passed CheckLinearWeight; n > 0. f32: F32 math whatever the weight's dtype (the router).
-LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n);
+// fp8_blocks: FP8 weights take kFp8Blocks instead of kFp8Bf16.
+LinearPlan PlanLinear(const LinearWeight& w, bool f32, int64_t n, bool fp8_blocks = false);
 
 // The query rows of an MLA call in compact order (segment by segment), in chunks of chunk_rows
 // rows, and the tiles (thread blocks) of each chunk. A tile covers consecutive rows of one segment

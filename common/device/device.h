@@ -26,6 +26,9 @@
 // references): activations are F32 in memory. Linear() with FP8 or BF16 weights rounds each
 // activation to BF16 (round to nearest even) and accumulates in F32 (FP8: each 128-column block
 // of a row summed, then scaled by its block's scale_inv); with F32 weights it is plain F32.
+// One exception, chosen for speed: a CudaDevice's FP8 Linear() of more than 16 tokens rounds each
+// scaled weight (code * scale_inv) to BF16 by default (CudaFp8Linear::kBf16), which adds at most
+// 2^-9 * sum_c |W[r][c] x[c]| to an output; CudaFp8Linear::kBlocks keeps the block structure.
 // Everything else (norms, RoPE, softmax, router) is F32 math.
 
 #include <cstddef>
@@ -426,8 +429,30 @@ class Device {
 // Number of visible CUDA devices; 0 when built without CUDA or without a GPU/driver.
 int CudaDeviceCount();
 
+// How a CudaDevice computes Linear() with FP8 weights for more than 16 tokens (prefill; decode
+// calls always keep the block structure):
+enum class CudaFp8Linear {
+  // HMOE_CUDA_FP8_LINEAR from the environment: "bf16" or "blocks"; kBf16 when unset or empty.
+  kFromEnvironment,
+  // Each weight's code times its block scale rounded to BF16 (relative error <= 2^-9 per weight,
+  // the size of the activations' own rounding), then one tensor-core BF16 GEMM over all columns
+  // with F32 accumulation: the fast path.
+  kBf16,
+  // The numerics note's block structure exactly (one BF16 GEMM per 128-column block into F32
+  // partial sums, each scaled by its block scale): slower, memory-bound on the partials.
+  kBlocks,
+};
+
+struct CudaDeviceOptions {
+  size_t budget_bytes = 0;  // 0: the GPU's free memory at creation
+  CudaFp8Linear fp8_linear = CudaFp8Linear::kFromEnvironment;
+};
+
 // A CudaDevice on GPU `ordinal` with an optional memory budget (0: the GPU's free memory at
-// creation). Unavailable when built without CUDA (HMOE_WITH_CUDA off) or the GPU is not visible.
+// creation). Unavailable when built without CUDA (HMOE_WITH_CUDA off) or the GPU is not visible;
+// InvalidArgument naming the value for a bad HMOE_CUDA_FP8_LINEAR.
 absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal, size_t budget_bytes = 0);
+absl::StatusOr<std::unique_ptr<Device>> NewCudaDevice(int ordinal,
+                                                      const CudaDeviceOptions& options);
 
 }  // namespace hmoe

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -178,52 +179,94 @@ TEST(CudaPlanTest, LinearChunksBoundTheTemporaries) {
     LinearWeight w;
     bool f32;
     int64_t n;
+    bool fp8_blocks;
     internal::LinearMode mode;
     bool direct;
   };
+  using internal::LinearMode;
   const Case cases[] = {
-      {weight(DType::kF8E4M3, 18432, 7168, kAny), false, 1, internal::LinearMode::kFp8, false},
-      {weight(DType::kF8E4M3, 4700, 7168, kAny), false, 5000, internal::LinearMode::kFp8, false},
-      {weight(DType::kF8E4M3, 300, 520, kAny), false, 19, internal::LinearMode::kFp8, false},
-      {weight(DType::kBF16, 4096, 7168, kAny), false, 4096, internal::LinearMode::kBf16, true},
-      {weight(DType::kBF16, 77, 100, kAny + 1), false, 3, internal::LinearMode::kBf16, false},
-      {weight(DType::kF32, 50, 33, kAny), false, 9, internal::LinearMode::kF32, true},
-      {weight(DType::kBF16, 256, 7168, kAny), true, 4096, internal::LinearMode::kF32, false},
+      {weight(DType::kF8E4M3, 18432, 7168, kAny), false, 1, true, LinearMode::kFp8Blocks, false},
+      {weight(DType::kF8E4M3, 4700, 7168, kAny), false, 5000, true, LinearMode::kFp8Blocks, false},
+      {weight(DType::kF8E4M3, 300, 520, kAny), false, 19, true, LinearMode::kFp8Blocks, false},
+      {weight(DType::kF8E4M3, 18432, 7168, kAny), false, 1, false, LinearMode::kFp8Bf16, false},
+      {weight(DType::kF8E4M3, 4700, 7168, kAny), false, 9000, false, LinearMode::kFp8Bf16, false},
+      {weight(DType::kF8E4M3, 300, 523, kAny), false, 19, false, LinearMode::kFp8Bf16, false},
+      {weight(DType::kBF16, 4096, 7168, kAny), false, 4096, true, LinearMode::kBf16, true},
+      {weight(DType::kBF16, 77, 100, kAny + 1), false, 3, false, LinearMode::kBf16, false},
+      {weight(DType::kF32, 50, 33, kAny), false, 9, false, LinearMode::kF32, true},
+      {weight(DType::kBF16, 256, 7168, kAny), true, 4096, false, LinearMode::kF32, false},
+      {weight(DType::kF8E4M3, 256, 7168, kAny), true, 4096, false, LinearMode::kF32, false},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(::testing::Message()
-                 << DTypeName(c.w.dtype) << " [" << c.w.rows << ", " << c.w.cols << "] n=" << c.n);
-    const internal::LinearPlan p = internal::PlanLinear(c.w, c.f32, c.n);
+    SCOPED_TRACE(::testing::Message() << DTypeName(c.w.dtype) << " [" << c.w.rows << ", "
+                                      << c.w.cols << "] n=" << c.n << " blocks " << c.fp8_blocks);
+    const internal::LinearPlan p = internal::PlanLinear(c.w, c.f32, c.n, c.fp8_blocks);
     EXPECT_EQ(p.mode, c.mode);
     EXPECT_EQ(p.direct, c.direct);
     EXPECT_EQ(p.num_blocks, (c.w.cols + 127) / 128);
-    EXPECT_EQ(p.k_padded, c.mode == internal::LinearMode::kFp8 ? p.num_blocks * 128 : c.w.cols);
+    // Leading dimensions: whole 128-blocks (per-block GEMMs), 8-element multiples (the one-GEMM
+    // FP8 path), the weight's columns otherwise.
+    EXPECT_EQ(p.k_padded, c.mode == LinearMode::kFp8Blocks ? p.num_blocks * 128
+                          : c.mode == LinearMode::kFp8Bf16 ? (c.w.cols + 7) / 8 * 8
+                                                           : c.w.cols);
     // Row chunks: everything, or whole 128-row blocks (FP8 scales are per 128 rows).
     EXPECT_TRUE(p.row_chunk == c.w.rows || (p.row_chunk % 128 == 0 && p.row_chunk < c.w.rows));
     EXPECT_GE(p.token_chunk, 1);
     EXPECT_LE(p.token_chunk, c.n);
     // Each temporary stays within its bound (or is a single minimal chunk).
-    const int64_t elem = c.mode == internal::LinearMode::kF32 ? 4 : 2;
-    if (c.mode != internal::LinearMode::kF32) {
+    const int64_t elem = c.mode == LinearMode::kF32 ? 4 : 2;
+    if (c.mode != LinearMode::kF32) {
       EXPECT_TRUE(p.token_chunk * p.k_padded * 2 <= limit || p.token_chunk == 1);
     } else {
       EXPECT_EQ(p.token_chunk, c.n);
     }
     if (!p.direct) {
       EXPECT_TRUE(p.row_chunk * p.k_padded * elem <= limit || p.row_chunk == 128);
+      EXPECT_GE(p.w_offset,
+                p.x_offset + (c.mode == LinearMode::kF32
+                                  ? 0
+                                  : static_cast<size_t>(p.token_chunk * p.k_padded * 2)));
     }
-    if (c.mode == internal::LinearMode::kFp8) {
+    if (c.mode == LinearMode::kFp8Blocks) {
       EXPECT_TRUE(p.num_blocks * p.token_chunk * p.row_chunk * 4 <= limit || p.token_chunk == 1);
       EXPECT_GE(p.partial_offset, p.w_offset + static_cast<size_t>(p.row_chunk * p.k_padded * 2));
     }
+    EXPECT_GE(p.bytes,
+              p.w_offset + (p.direct ? 0 : static_cast<size_t>(p.row_chunk * p.k_padded * elem)));
     EXPECT_LE(p.bytes, static_cast<size_t>(3 * limit + 3 * internal::kScratchAlign));
     EXPECT_EQ(p.bytes % internal::kScratchAlign, 0u);
   }
-  // The chunked FP8 case really splits: several row chunks, token chunks of the partial sums.
-  const internal::LinearPlan big =
-      internal::PlanLinear(weight(DType::kF8E4M3, 4700, 7168, kAny), false, 5000);
-  EXPECT_EQ(big.row_chunk, 4608);
-  EXPECT_EQ(big.token_chunk, 65);  // 64 MiB / (56 blocks * 4608 rows * 4 bytes)
+  // The chunked FP8 cases really split: several row chunks, token chunks of the partial sums
+  // (blocks) or of the BF16 activations (one GEMM).
+  const LinearWeight big = weight(DType::kF8E4M3, 4700, 7168, kAny);
+  const internal::LinearPlan blocks = internal::PlanLinear(big, false, 5000, /*fp8_blocks=*/true);
+  EXPECT_EQ(blocks.row_chunk, 4608);
+  EXPECT_EQ(blocks.token_chunk, 65);  // 64 MiB / (56 blocks * 4608 rows * 4 bytes)
+  const internal::LinearPlan one = internal::PlanLinear(big, false, 9000, /*fp8_blocks=*/false);
+  EXPECT_EQ(one.row_chunk, 4608);     // 64 MiB / (7168 * 2 bytes), whole 128-row blocks
+  EXPECT_EQ(one.token_chunk, 4681);   // 64 MiB / (7168 * 2 bytes)
+  EXPECT_EQ(one.partial_offset, 0u);  // no partial sums
+  // The default is the one-GEMM path.
+  EXPECT_EQ(internal::PlanLinear(big, false, 100).mode, LinearMode::kFp8Bf16);
+}
+
+// HMOE_CUDA_FP8_LINEAR is read (and checked) before the GPU is looked for: this runs everywhere.
+TEST(CudaDeviceTest, BadFp8LinearEnvironmentIsInvalidArgumentNamingTheValue) {
+  ASSERT_EQ(setenv("HMOE_CUDA_FP8_LINEAR", "fast", 1), 0);
+  const absl::Status bad = NewCudaDevice(0).status();
+  CudaDeviceOptions explicit_mode;
+  explicit_mode.fp8_linear = CudaFp8Linear::kBlocks;  // the option wins over the environment
+  const absl::Status chosen = NewCudaDevice(CudaDeviceCount(), explicit_mode).status();
+  ASSERT_EQ(unsetenv("HMOE_CUDA_FP8_LINEAR"), 0);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(std::string(bad.message()).find("\"fast\""), std::string::npos) << bad;
+  EXPECT_EQ(chosen.code(), absl::StatusCode::kUnavailable) << chosen;  // past the last GPU
+  for (const char* good : {"bf16", "blocks", ""}) {
+    ASSERT_EQ(setenv("HMOE_CUDA_FP8_LINEAR", good, 1), 0);
+    const absl::Status st = NewCudaDevice(CudaDeviceCount()).status();
+    ASSERT_EQ(unsetenv("HMOE_CUDA_FP8_LINEAR"), 0);
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << good << ": " << st;
+  }
 }
 
 // ---------------------------------------------------------------------------------- GPU vs CPU
@@ -267,7 +310,7 @@ class CudaVsCpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::NoDeviceReason();
-    auto gpu = NewCudaDevice(0);
+    auto gpu = NewCudaDevice(0, gpu_options_);
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     gpu_ = *std::move(gpu);
     cpu_ = NewCpuDevice();
@@ -297,41 +340,109 @@ class CudaVsCpuTest : public ::testing::Test {
     return v;
   }
 
+  CudaDeviceOptions gpu_options_;  // set before SetUp
   std::unique_ptr<Device> gpu_, cpu_;
   std::unique_ptr<Stream> gpu_stream_, cpu_stream_;
   std::vector<DeviceBuffer> buffers_;
 };
 
-TEST_F(CudaVsCpuTest, Fp8LinearOverSeveralRowAndTokenChunksMatchesCpu) {
-  // 4700 rows of 7168 columns: two dequantized row chunks (4608 rows each at most) and, at 70
-  // tokens, two token chunks of the block partial sums (65 tokens each at most).
-  const int64_t rows = 4700, cols = 7168, n = 70, x_stride = cols + 8, y_stride = rows + 4;
-  const Fp8Weight w = MakeFp8(rows, cols, 1);
-  const std::vector<float> x = RandomFloats(n * x_stride, 2);
-  LinearWeight cpu_w{DType::kF8E4M3,  w.codes.data(),    rows, cols, cols,
-                     w.scales.data(), (cols + 127) / 128};
-  LinearWeight gpu_w = cpu_w;
-  gpu_w.data = Gpu(w.codes);
-  gpu_w.scale_inv = Gpu(w.scales);
-  std::vector<float> want(n * y_stride, 0.0f);
-  ASSERT_TRUE(cpu_->Linear(*cpu_stream_, cpu_w, x.data(), x_stride, n, want.data(), y_stride).ok());
-  float* y = Gpu(std::vector<float>(n * y_stride, 0.0f));
-  ASSERT_TRUE(gpu_->Linear(*gpu_stream_, gpu_w, Gpu(x), x_stride, n, y, y_stride).ok());
-  const std::vector<float> got = FromGpu(y, n * y_stride);
-  // Every 13th row plus the rows around the row-chunk boundary (4608) and the last row.
-  std::vector<int64_t> checked = {4607, 4608, rows - 1};
-  for (int64_t r = 0; r < rows; r += 13) checked.push_back(r);
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t r : checked) {
-      double mag = 0.0;  // sum |w x|: the scale of the F32 summation error
-      for (int64_t c = 0; c < cols; ++c) {
-        mag += std::abs(static_cast<double>(w.dense[r * cols + c]) * x[t * x_stride + c]);
+// Both FP8 prefill modes of CudaDevice against CpuDevice (the block numerics of device.h).
+class CudaFp8LinearTest : public CudaVsCpuTest,
+                          public ::testing::WithParamInterface<CudaFp8Linear> {
+ protected:
+  void SetUp() override {
+    gpu_options_.fp8_linear = GetParam();
+    CudaVsCpuTest::SetUp();
+  }
+};
+
+TEST_P(CudaFp8LinearTest, OverSeveralRowAndTokenChunksMatchesCpuWithinTheModesBound) {
+  const bool blocks_mode = GetParam() == CudaFp8Linear::kBlocks;
+  struct Case {
+    int64_t rows, cols, n, x_pad;
+  };
+  const Case cases[] = {
+      // Two weight row chunks (4608 rows each at most); blocks: at 70 tokens, two token chunks of
+      // the block partial sums (65 tokens each at most).
+      {4700, 7168, 70, 8},
+      // One row chunk converted once for several token chunks (blocks: 1170 tokens each).
+      {256, 7168, 1200, 4},
+      // Partial column block, 520 % 16 != 0 and an odd activation stride: the one-element
+      // conversion kernels.
+      {300, 520, 40, 3},
+      // Decode sizes (LaunchSmallLinear, the block numerics in both modes): 16 codes per lane
+      // over two token groups (8 + 1), aligned and odd activation strides; one code per lane.
+      {4700, 7168, 9, 8},
+      {640, 1536, 16, 1},
+      {300, 520, 5, 3},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(::testing::Message() << "[" << k.rows << ", " << k.cols << "] n=" << k.n);
+    const int64_t rows = k.rows, cols = k.cols, n = k.n;
+    const int64_t x_stride = cols + k.x_pad, y_stride = rows + 4;
+    const int64_t num_blocks = (cols + 127) / 128;
+    const bool blocks = blocks_mode || n <= 16;  // decode calls keep the block numerics
+    const Fp8Weight w = MakeFp8(rows, cols, 1);
+    const std::vector<float> x = RandomFloats(n * x_stride, 2);
+    LinearWeight cpu_w{DType::kF8E4M3, w.codes.data(),  rows,      cols,
+                       cols,           w.scales.data(), num_blocks};
+    LinearWeight gpu_w = cpu_w;
+    gpu_w.data = Gpu(w.codes);
+    gpu_w.scale_inv = Gpu(w.scales);
+    std::vector<float> want(n * y_stride, 0.0f);
+    ASSERT_TRUE(
+        cpu_->Linear(*cpu_stream_, cpu_w, x.data(), x_stride, n, want.data(), y_stride).ok());
+    float* y = Gpu(std::vector<float>(n * y_stride, 0.0f));
+    ASSERT_TRUE(gpu_->Linear(*gpu_stream_, gpu_w, Gpu(x), x_stride, n, y, y_stride).ok());
+    const std::vector<float> got = FromGpu(y, n * y_stride);
+    // Every 13th row plus the rows around the row-chunk boundary (4608) and the last row.
+    std::vector<int64_t> checked = {rows - 1};
+    if (rows > 4608) checked.insert(checked.end(), {4607, 4608});
+    for (int64_t r = 0; r < rows; r += 13) checked.push_back(r);
+    // Oracles from host data, in double, on the BF16-rounded activations x~ both devices see:
+    // the exact block product sum_c w_c x~_c (w = code * scale), the same with each weight
+    // rounded to BF16 (what the one-GEMM mode multiplies), and mag = sum_c |w_c x~_c|.
+    // Bounds: F32 summation of K terms is within gamma = K * 2^-23 * mag whatever the order (2^-23
+    // per addition allows truncating accumulators); a BF16 weight is within (2^-9 + 2^-23) |w|.
+    //   blocks: both devices sum exact products in F32: the old tight 1e-5 * mag + 1e-7;
+    //   bf16:   |gpu - cpu| <= (2^-9 + 2^-23) mag + gamma_K (gpu) + gamma_(K + blocks + 1)
+    //           (cpu: block sums, the scaling, the sum over blocks).
+    const double u_w = std::ldexp(1.0, -9) + std::ldexp(1.0, -23);
+    const double gamma = static_cast<double>(2 * cols + num_blocks + 1) * std::ldexp(1.0, -23);
+    double err_exact = 0.0, err_bf16w = 0.0;  // squared distances of the GPU from both oracles
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t r : checked) {
+        double exact = 0.0, bf16w = 0.0, mag = 0.0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const double xv = Bf16ToFloat(FloatToBf16(x[t * x_stride + c]));
+          const double wv = w.dense[r * cols + c];
+          exact += wv * xv;
+          bf16w += static_cast<double>(Bf16ToFloat(FloatToBf16(w.dense[r * cols + c]))) * xv;
+          mag += std::abs(wv * xv);
+        }
+        const double g = got[t * y_stride + r];
+        err_exact += (g - exact) * (g - exact);
+        err_bf16w += (g - bf16w) * (g - bf16w);
+        const double tol = blocks ? 1e-5 * mag + 1e-7 : (u_w + gamma) * mag;
+        ASSERT_NEAR(g, want[t * y_stride + r], tol) << "t " << t << " r " << r;
       }
-      ASSERT_NEAR(got[t * y_stride + r], want[t * y_stride + r], 1e-5 * mag + 1e-7)
-          << "t " << t << " r " << r;
+    }
+    // The mode really is the one asked for: its oracle is orders of magnitude closer (F32
+    // summation error only) than the other's (the BF16 rounding of the weights, ~2^-9).
+    if (blocks) {
+      EXPECT_LT(err_exact * 100, err_bf16w);
+    } else {
+      EXPECT_LT(err_bf16w * 100, err_exact);
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, CudaFp8LinearTest,
+                         ::testing::Values(CudaFp8Linear::kBf16, CudaFp8Linear::kBlocks),
+                         [](const ::testing::TestParamInfo<CudaFp8Linear>& info) {
+                           return std::string(info.param == CudaFp8Linear::kBlocks ? "Blocks"
+                                                                                   : "Bf16");
+                         });
 
 TEST_F(CudaVsCpuTest, MoeGateAtDeepSeekShapesMatchesCpu) {
   const int64_t e = 256, hidden = 7168, n = 33, k = 8;

@@ -115,6 +115,86 @@ TEST_F(CudaKernelsTest, PackWeightWritesExactFp8CodesAndZeroPadding) {
   cudaFree(d_out);
 }
 
+TEST_F(CudaKernelsTest, Fp8ToScaledBf16RoundsCodeTimesScaleOnBothPaths) {
+  // Rows 100..299 of a 300-row FP8 weight (scale row blocks 0, 1, 2): 512 columns with a 16-byte
+  // aligned row stride take the 16-codes-per-thread path; 500 columns (row stride 500) the
+  // one-code path. The output rows are wider than the weight (out_stride 520 / 509): the extra
+  // columns stay untouched (0xffff).
+  struct Case {
+    int64_t cols, row_stride, out_stride;
+  };
+  for (const Case& k : {Case{512, 528, 520}, Case{500, 500, 509}}) {
+    SCOPED_TRACE(::testing::Message() << "cols " << k.cols);
+    const int64_t rows = 300, row_begin = 100, num_rows = 200;
+    const int64_t scale_stride = (k.cols + 127) / 128 + 1;  // a padded scale row
+    std::mt19937 rng(7);
+    std::vector<uint8_t> w(rows * k.row_stride);
+    for (auto& b : w) {
+      b = static_cast<uint8_t>(rng() & 0xff);
+      if ((b & 0x7f) == 0x7f) b = 0;  // no NaN codes in weights
+    }
+    std::vector<float> scales(3 * scale_stride);
+    std::uniform_real_distribution<float> scale(0.5e-3f, 2e-3f);
+    for (float& s : scales) s = scale(rng);  // 24-bit mantissas: code * scale really rounds
+    WeightDesc desc;
+    desc.data = DeviceCopy(w);
+    desc.scale_inv = DeviceCopy(scales);
+    desc.rows = rows;
+    desc.cols = k.cols;
+    desc.row_stride = k.row_stride;
+    desc.scale_stride = scale_stride;
+    desc.type = kernels::ElemType::kF8E4M3;
+    std::vector<uint16_t> out(num_rows * k.out_stride, 0xffff);
+    uint16_t* d_out = DeviceCopy(out);
+    ASSERT_EQ(LaunchFp8ToScaledBf16(desc, row_begin, num_rows, d_out, k.out_stride, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t wr = row_begin + r;
+      for (int64_t c = 0; c < k.out_stride; ++c) {
+        const uint16_t want = c < k.cols ? FloatToBf16(Fp8E4M3ToFloat(w[wr * k.row_stride + c]) *
+                                                       scales[(wr / 128) * scale_stride + c / 128])
+                                         : uint16_t{0xffff};
+        ASSERT_EQ(out[r * k.out_stride + c], want) << r << "," << c;
+      }
+    }
+    cudaFree(const_cast<void*>(desc.data));
+    cudaFree(const_cast<float*>(desc.scale_inv));
+    cudaFree(d_out);
+  }
+}
+
+TEST_F(CudaKernelsTest, F32ToBf16RoundsAndZeroPadsOnBothPaths) {
+  // 64 columns padded to 72 with 16-byte aligned strides (4 per thread), and 61 padded to 67
+  // with odd strides (one per thread).
+  struct Case {
+    int64_t cols, src_stride, dst_cols, dst_stride;
+  };
+  for (const Case& k : {Case{64, 68, 72, 76}, Case{61, 63, 67, 69}}) {
+    SCOPED_TRACE(::testing::Message() << "cols " << k.cols);
+    const int64_t rows = 70;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> dist(0.0f, 3.0f);
+    std::vector<float> src(rows * k.src_stride);
+    for (float& v : src) v = dist(rng);
+    std::vector<uint16_t> dst(rows * k.dst_stride, 0xffff);
+    uint16_t* d_dst = DeviceCopy(dst);
+    ASSERT_EQ(LaunchF32ToBf16(DeviceCopy(src), k.src_stride, rows, k.cols, d_dst, k.dst_stride,
+                              k.dst_cols, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dst.data(), d_dst, dst.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < k.dst_stride; ++c) {
+        const uint16_t want = c < k.cols       ? FloatToBf16(src[r * k.src_stride + c])
+                              : c < k.dst_cols ? uint16_t{0}
+                                               : uint16_t{0xffff};
+        ASSERT_EQ(dst[r * k.dst_stride + c], want) << r << "," << c;
+      }
+    }
+    cudaFree(d_dst);
+  }
+}
+
 TEST_F(CudaKernelsTest, BlockScaleCombineScalesEachBlockSum) {
   // 3 blocks of partial sums for 2 tokens x 130 rows (rows 128.. use the second scale row).
   const int64_t blocks = 3, tokens = 2, rows = 130;
@@ -168,6 +248,14 @@ TEST(CudaLaunchersTest, RejectUnsupportedShapesAndSkipEmptyWork) {
   EXPECT_EQ(LaunchPackWeight(bf16, 0, 1, 4, nullptr, PackMode::kFp8CodesBf16, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(LaunchF32ToBf16(nullptr, 8, 1, 8, nullptr, 4, 4, nullptr), cudaErrorInvalidValue);
+  WeightDesc fp8;
+  fp8.type = kernels::ElemType::kF8E4M3;
+  fp8.rows = 128;
+  fp8.cols = 16;
+  EXPECT_EQ(LaunchFp8ToScaledBf16(bf16, 0, 1, nullptr, 16, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchFp8ToScaledBf16(fp8, 0, 1, nullptr, 15, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchFp8ToScaledBf16(fp8, 100, 29, nullptr, 16, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(LaunchFp8ToScaledBf16(fp8, 0, 0, nullptr, 16, nullptr), cudaSuccess);
   // Nothing to do: no launch, success.
   EXPECT_EQ(LaunchAdd(nullptr, nullptr, nullptr, 0, nullptr), cudaSuccess);
   EXPECT_EQ(LaunchMlaAttend(shape, nullptr, cache, nullptr, nullptr, 0, nullptr, nullptr),

@@ -36,6 +36,16 @@ struct WeightDesc {
 cudaError_t LaunchDequantFp8ToBf16(const uint8_t* w, const float* scale_inv, int64_t rows,
                                    int64_t cols, uint16_t* out, cudaStream_t stream);
 
+// Rows [row_begin, row_begin + num_rows) of the FP8 weight `w` as BF16 bits of
+// kernels::WeightElement, i.e. bf16(fp8(code) * scale) rounded to nearest even (relative error at
+// most 2^-9 + 2^-24 per weight): out[(r - row_begin) * out_stride + c] for c < w.cols
+// (out_stride >= w.cols; columns past w.cols are not written). 16 codes per thread (one 16-byte
+// load, two 16-byte stores) when w.data, w.row_stride, w.cols, out and out_stride allow it, else
+// one. cudaErrorInvalidValue for a non-FP8 weight or rows outside it. The weight of CudaDevice's
+// FP8 prefill GEMM (CudaFp8Linear::kBf16).
+cudaError_t LaunchFp8ToScaledBf16(const WeightDesc& w, int64_t row_begin, int64_t num_rows,
+                                  uint16_t* out, int64_t out_stride, cudaStream_t stream);
+
 // What LaunchPackWeight(s) write for element (r, c) of a weight.
 enum class PackMode : int {
   kF32 = 0,           // float: kernels::WeightElement (FP8 scaled; exact but for one rounding)
@@ -85,7 +95,9 @@ cudaError_t LaunchBlockScaleCombine(const float* partials, int64_t num_blocks, i
 // values, times the block's scale, summed over the blocks in order; BF16/F32: F32 sums.
 // W_b = descs[b] (device array) when descs is non-null, else `single` for every b. One warp per
 // output row (all tokens at once): the weight is read once per 8 tokens, which makes this the
-// bandwidth-bound path for n <= kSmallLinearMaxTokens. batch <= 65535.
+// bandwidth-bound path for n <= kSmallLinearMaxTokens. FP8 rows of whole 128-column blocks with
+// 16-byte aligned data and row stride (DeepSeek-V3's) are loaded 16 codes per lane (8 lanes per
+// block, a butterfly for the block sum); other weights one element per lane. batch <= 65535.
 inline constexpr int64_t kSmallLinearMaxTokens = 16;
 cudaError_t LaunchSmallLinear(const WeightDesc& single, const WeightDesc* descs, int64_t batch,
                               int64_t row_base, int64_t row_step, int64_t rows, const float* x,

@@ -15,18 +15,44 @@ unsigned BlocksFor(int64_t n, int threads) {
   return static_cast<unsigned>(blocks < 65535 ? blocks : 65535);
 }
 
-__global__ void DequantFp8ToBf16Kernel(const uint8_t* __restrict__ w,
-                                       const float* __restrict__ scale_inv, int64_t rows,
-                                       int64_t cols, int64_t scale_cols,
-                                       uint16_t* __restrict__ out) {
-  const int64_t n = rows * cols;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const int64_t r = i / cols;
-    const int64_t c = i - r * cols;
-    out[i] =
-        kernels::FloatToBf16Bits(kernels::DequantFp8Element(w[i], scale_inv, scale_cols, r, c));
+// Rows row_begin + blockIdx.y (+ k * gridDim.y) < row_begin + num_rows of an FP8 weight as BF16
+// bits of code * scale (round to nearest even): kPer consecutive columns per thread. kPer = 16:
+// one 16-byte load of codes and two 16-byte stores (the caller checked the alignment); 16 columns
+// starting at a multiple of 16 share one 128-column scale block.
+template <int kPer>
+__global__ void Fp8ToScaledBf16Kernel(const uint8_t* __restrict__ data, int64_t row_stride,
+                                      const float* __restrict__ scale_inv, int64_t scale_stride,
+                                      int64_t cols, int64_t row_begin, int64_t num_rows,
+                                      uint16_t* __restrict__ out, int64_t out_stride) {
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPer;
+  if (c0 >= cols) return;
+  for (int64_t r = blockIdx.y; r < num_rows; r += gridDim.y) {
+    const int64_t wr = row_begin + r;
+    const float scale = scale_inv[(wr / 128) * scale_stride + c0 / 128];
+    const uint8_t* src = data + wr * row_stride + c0;
+    uint16_t* dst = out + r * out_stride + c0;
+    if constexpr (kPer == 16) {
+      const uint4 codes = *reinterpret_cast<const uint4*>(src);
+      const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+      uint32_t packed[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        // Little endian: code j of the 16 is byte j % 4 of word j / 4; BF16 value j is the
+        // low (even j) or high (odd j) half of packed[j / 2].
+        const uint32_t pair = words[i / 2] >> (16 * (i % 2));
+        const uint32_t lo = kernels::FloatToBf16Bits(
+            kernels::Fp8E4M3ToFloatBits(static_cast<uint8_t>(pair & 0xffu)) * scale);
+        const uint32_t hi = kernels::FloatToBf16Bits(
+            kernels::Fp8E4M3ToFloatBits(static_cast<uint8_t>((pair >> 8) & 0xffu)) * scale);
+        packed[i] = lo | (hi << 16);
+      }
+      reinterpret_cast<uint4*>(dst)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      reinterpret_cast<uint4*>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    } else {
+      for (int j = 0; j < kPer && c0 + j < cols; ++j) {
+        dst[j] = kernels::FloatToBf16Bits(kernels::Fp8E4M3ToFloatBits(src[j]) * scale);
+      }
+    }
   }
 }
 
@@ -78,6 +104,24 @@ __global__ void F32ToBf16Kernel(const float* __restrict__ src, int64_t src_strid
   }
 }
 
+// The same with 4 columns per thread (one 16-byte load, one 8-byte store; the caller checked the
+// alignment, cols and dst_cols multiples of 4): row blockIdx.y (+ k * gridDim.y), no division.
+__global__ void F32ToBf16Vec4Kernel(const float* __restrict__ src, int64_t src_stride, int64_t rows,
+                                    int64_t cols, uint16_t* __restrict__ dst, int64_t dst_stride,
+                                    int64_t dst_cols) {
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (c0 >= dst_cols) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    uint2 packed = make_uint2(0u, 0u);
+    if (c0 < cols) {
+      const float4 v = *reinterpret_cast<const float4*>(src + r * src_stride + c0);
+      packed.x = kernels::FloatToBf16Bits(v.x) | (uint32_t{kernels::FloatToBf16Bits(v.y)} << 16);
+      packed.y = kernels::FloatToBf16Bits(v.z) | (uint32_t{kernels::FloatToBf16Bits(v.w)} << 16);
+    }
+    *reinterpret_cast<uint2*>(dst + r * dst_stride + c0) = packed;
+  }
+}
+
 __global__ void RoundToBf16Kernel(float* __restrict__ x, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -118,10 +162,42 @@ __global__ void SiluMulKernel(const float* gate, const float* up, float* out, in
 
 cudaError_t LaunchDequantFp8ToBf16(const uint8_t* w, const float* scale_inv, int64_t rows,
                                    int64_t cols, uint16_t* out, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return cudaSuccess;
-  const int64_t scale_cols = (cols + 127) / 128;
-  DequantFp8ToBf16Kernel<<<BlocksFor(rows * cols, kThreads), kThreads, 0, stream>>>(
-      w, scale_inv, rows, cols, scale_cols, out);
+  WeightDesc d;
+  d.data = w;
+  d.scale_inv = scale_inv;
+  d.rows = rows;
+  d.cols = cols;
+  d.row_stride = cols;
+  d.scale_stride = (cols + 127) / 128;
+  d.type = kernels::ElemType::kF8E4M3;
+  return LaunchFp8ToScaledBf16(d, 0, rows, out, cols, stream);
+}
+
+cudaError_t LaunchFp8ToScaledBf16(const WeightDesc& w, int64_t row_begin, int64_t num_rows,
+                                  uint16_t* out, int64_t out_stride, cudaStream_t stream) {
+  if (num_rows <= 0 || w.cols <= 0) return cudaSuccess;
+  if (w.type != kernels::ElemType::kF8E4M3 || out_stride < w.cols || row_begin < 0 ||
+      row_begin + num_rows > w.rows) {
+    return cudaErrorInvalidValue;
+  }
+  const auto* data = static_cast<const uint8_t*>(w.data);
+  const bool vec = w.cols % 16 == 0 && w.row_stride % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(data) % 16 == 0 && out_stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  constexpr int kColThreads = 128;
+  const int64_t per = vec ? 16 : 1;
+  const int64_t groups = (w.cols + per - 1) / per;
+  const dim3 grid(static_cast<unsigned>((groups + kColThreads - 1) / kColThreads),
+                  static_cast<unsigned>(num_rows < 65535 ? num_rows : 65535));
+  if (vec) {
+    Fp8ToScaledBf16Kernel<16><<<grid, kColThreads, 0, stream>>>(data, w.row_stride, w.scale_inv,
+                                                                w.scale_stride, w.cols, row_begin,
+                                                                num_rows, out, out_stride);
+  } else {
+    Fp8ToScaledBf16Kernel<1><<<grid, kColThreads, 0, stream>>>(data, w.row_stride, w.scale_inv,
+                                                               w.scale_stride, w.cols, row_begin,
+                                                               num_rows, out, out_stride);
+  }
   return cudaGetLastError();
 }
 
@@ -152,6 +228,16 @@ cudaError_t LaunchF32ToBf16(const float* src, int64_t src_stride, int64_t rows, 
                             cudaStream_t stream) {
   if (rows <= 0 || dst_cols <= 0) return cudaSuccess;
   if (dst_cols < cols) return cudaErrorInvalidValue;
+  if (cols % 4 == 0 && dst_cols % 4 == 0 && src_stride % 4 == 0 && dst_stride % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+    constexpr int kColThreads = 128;
+    const int64_t groups = dst_cols / 4;
+    const dim3 grid(static_cast<unsigned>((groups + kColThreads - 1) / kColThreads),
+                    static_cast<unsigned>(rows < 65535 ? rows : 65535));
+    F32ToBf16Vec4Kernel<<<grid, kColThreads, 0, stream>>>(src, src_stride, rows, cols, dst,
+                                                          dst_stride, dst_cols);
+    return cudaGetLastError();
+  }
   F32ToBf16Kernel<<<BlocksFor(rows * dst_cols, kThreads), kThreads, 0, stream>>>(
       src, src_stride, rows, cols, dst, dst_stride, dst_cols);
   return cudaGetLastError();
