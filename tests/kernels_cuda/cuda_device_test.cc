@@ -401,6 +401,7 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
   //     summation differs, and each side's block-scaled sum (128 products per block, exact, then
   //     the block scale, then the sum over the blocks) is within gamma_{128 + blocks + 2} of
   //     sum_i |W_UV[j, i] bf16(u_i)|.
+  //     The GPU's MlaProjectLatent of the same u is held to the same bound.
   //  3. End to end (prefill: the CPU's MlaPrefillAttention and its MlaAttentionPartial group the
   //     rows alike, so the CPU's u is bitwise its internal one): |got - want| <= sum_i
   //     |W_UV[j, i]| |bf16(u_cpu,i) - bf16(u_gpu,i)| (the rounding flips, from the two read-back
@@ -496,11 +497,16 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
     float* gpu_lse_dev = Gpu(std::vector<float>(rows * nh));
     ASSERT_TRUE(gpu_->MlaAttentionPartial(*gpu_stream_, args, {gpu_u_dev, gpu_lse_dev, true}).ok());
     const std::vector<float> gpu_u = FromGpu(gpu_u_dev, rows * nh * rkv);
-    // The CPU's projection of the GPU's u.
+    // The CPU's projection of the GPU's u, and the GPU's own MlaProjectLatent of it.
     std::vector<float> ref(rows * out_stride);
     ASSERT_TRUE(cpu_->MlaProjectLatent(*cpu_stream_, args.dims, cpu_kv_b, gpu_u.data(), rows,
                                        ref.data(), out_stride)
                     .ok());
+    float* proj_dev = Gpu(std::vector<float>(rows * out_stride));
+    ASSERT_TRUE(gpu_->MlaProjectLatent(*gpu_stream_, args.dims, args.kv_b, gpu_u_dev, rows,
+                                       proj_dev, out_stride)
+                    .ok());
+    const std::vector<float> proj = FromGpu(proj_dev, rows * out_stride);
 
     const double scale = args.dims.softmax_scale;
     double worst_u = 0.0, worst_proj = 0.0, worst_end = 0.0;  // largest |difference| / bound
@@ -582,6 +588,8 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
             ASSERT_LE(proj_diff, proj_bound) << "output " << j << ": gpu " << got[o]
                                              << ", cpu projection of the gpu's u " << ref[o];
             worst_proj = std::max(worst_proj, proj_diff / proj_bound);
+            ASSERT_LE(std::abs(static_cast<double>(proj[o]) - ref[o]), proj_bound)
+                << "output " << j << ": gpu MlaProjectLatent " << proj[o] << ", cpu " << ref[o];
             if (!decode) {
               const double end_bound = flips + proj_gamma * (mag_gpu + mag_cpu);
               const double end_diff = std::abs(static_cast<double>(got[o]) - want[o]);
