@@ -394,6 +394,92 @@ absl::Status ValidateMla(const MlaAttentionArgs& a, bool partial) {
   return absl::OkStatus();
 }
 
+// How MLA's projections run for more than kSmallLinearMaxTokens rows (the weights are packed into
+// the stream's arena on every call, see RunMlaAttention):
+//   kF32: the weight converted to compact F32 (FP8 scaled: one F32 rounding of code * scale;
+//         BF16 and F32 exact), one F32 GEMM per head on activations rounded to BF16 for FP8/BF16
+//         weights (no tensor cores);
+//   kFp8: the FP8 codes as exact BF16 (compact, columns zero-padded to whole 128-blocks) times
+//         the BF16 activations on tensor cores (F32 accumulation), one GEMM per 128-column block
+//         into F32 partial sums, then each block's sum times its block scale, summed over the
+//         blocks in order (LaunchMlaBlockScale): CpuDevice's FP8 numerics up to F32 summation
+//         order (E4M3 codes and BF16 activations multiply exactly), as RunLinear's kFp8.
+enum class MlaProjMode { kF32, kFp8 };
+
+struct MlaProjPlan {
+  MlaProjMode mode = MlaProjMode::kF32;
+  int64_t k_padded = 0;    // columns of the packed weight and of the BF16 activations
+  int64_t num_blocks = 0;  // kFp8: 128-column blocks
+  int64_t elem_bytes = 4;  // of the packed weight
+};
+
+// `max_k_blocks`: the most 128-column blocks the kFp8 mode may use (W_UK^T: 1, so that the block
+// scale is applied to the GEMM's output in place; kv_b: any).
+MlaProjPlan PlanMlaProj(const LinearWeight& w, int64_t max_k_blocks) {
+  MlaProjPlan p;
+  const int64_t blocks = (w.cols + 127) / 128;
+  if (w.dtype == DType::kF8E4M3 && blocks <= max_k_blocks) {
+    p.mode = MlaProjMode::kFp8;
+    p.num_blocks = blocks;
+    p.k_padded = blocks * 128;
+    p.elem_bytes = 2;
+  } else {
+    p.k_padded = w.cols;
+  }
+  return p;
+}
+
+cuda::PackMode PackModeOf(const MlaProjPlan& p) {
+  return p.mode == MlaProjMode::kFp8 ? cuda::PackMode::kFp8CodesBf16 : cuda::PackMode::kF32;
+}
+
+// o[t, h, :] = W_UV_h u[t, h] for t < rn, h < nh (u and o compact: [rn, nh, rkv] / [rn, nh, dv]),
+// W_UV_h = rows h * (dn + dv) + dn .. + dv of kv_b, packed (all nh * (dn + dv) rows) at `packed`
+// as `plan` says. `act`: room for rn * nh * plan.k_padded floats (kF32 with a BF16 kv_b: u rounded
+// to BF16 values; kFp8: u as BF16); `partials`: plan.num_blocks * rn * nh * dv floats (kFp8).
+absl::Status ProjectUv(CudaStream& s, const MlaDimensions& d, const LinearWeight& kv_b,
+                       const MlaProjPlan& plan, const void* packed, const float* u, int64_t rn,
+                       void* act, float* partials, float* o) {
+  const int64_t nh = d.num_heads, dn = d.nope_dim, dv = d.v_dim, rkv = d.kv_lora_rank;
+  const int64_t k = plan.k_padded;
+  if (plan.mode == MlaProjMode::kF32) {
+    const float* x = u;
+    if (kv_b.dtype != DType::kF32) {  // BF16 weights: BF16-valued activations
+      auto* r = static_cast<float*>(act);
+      HMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(r, u, static_cast<size_t>(rn * nh * rkv) * 4,
+                                                cudaMemcpyDeviceToDevice, s.get()));
+      HMOE_LAUNCH(cuda::LaunchRoundToBf16(r, rn * nh * rkv, s.get()));
+      x = r;
+    }
+    return GemmStridedBatched(s.cublas(), /*bf16=*/false, dv, rn, rkv,
+                              static_cast<const float*>(packed) + dn * rkv, rkv, (dn + dv) * rkv, x,
+                              nh * rkv, rkv, o, nh * dv, dv, nh);
+  }
+  // kFp8: u to BF16 (zero-padded to whole blocks), one GEMM per block over all heads.
+  auto* ub = static_cast<uint16_t*>(act);
+  HMOE_LAUNCH(cuda::LaunchF32ToBf16(u, rkv, rn * nh, rkv, ub, k, k, s.get()));
+  const auto* w = static_cast<const uint16_t*>(packed) + dn * k;
+  const int64_t plane = rn * nh * dv;
+  for (int64_t b = 0; b < plan.num_blocks; ++b) {
+    HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/true, dv, rn, 128, w + b * 128, k,
+                                            (dn + dv) * k, ub + b * 128, nh * k, k,
+                                            partials + b * plane, nh * dv, dv, nh));
+  }
+  HMOE_LAUNCH(cuda::LaunchMlaBlockScale(partials, plan.num_blocks, plane, nh * dv, dv, rn, nh, dv,
+                                        kv_b.scale_inv, kv_b.scale_stride, nullptr, dn, dn + dv, o,
+                                        nh * dv, dv, s.get()));
+  return absl::OkStatus();
+}
+
+// Bytes per query row of the temporaries of RunMlaAttention / RunMlaProject beyond their F32
+// buffers: the BF16 q_nope and u (u: up to whole 128-blocks, F32 when copied to be rounded) and
+// the per-block partial sums of the W_UV projection. Independent of the weights' dtypes, so the
+// chunking (and the tiles) of a call do not depend on them.
+int64_t MlaProjRowBytes(const MlaDimensions& d) {
+  const int64_t blocks = (d.kv_lora_rank + 127) / 128;
+  return d.num_heads * (2 * d.nope_dim + 4 * blocks * 128 + 4 * blocks * d.v_dim);
+}
+
 // Weight-absorbed MLA (device.h MlaAttentionArgs) for both device ops:
 //   1. upload the plan (row list, tiles) and the per-head W_UK^T descriptors;
 //   2. per chunk of rows: gather q_nope and q_pe; q~ = W_UK_h^T q_nope for every head, written
@@ -402,8 +488,15 @@ absl::Status ValidateMla(const MlaAttentionArgs& a, bool partial) {
 // The projections follow CpuDevice's numerics (activations rounded to BF16 for FP8/BF16 weights,
 // FP8 summed per 128-column block then scaled, F32 accumulation). With few rows (decode) they run
 // straight from the weights (LaunchSmallLinear, batched over the heads: the weights are read once,
-// nothing is converted); otherwise W_UK^T and kv_b are first converted to compact F32 (FP8 scaled:
-// one F32 rounding of code * scale) for two strided batched F32 GEMMs over the heads.
+// nothing is converted); otherwise as MlaProjMode says: FP8 W_UK^T (nope_dim <= 128: one block
+// along K, so the scale applies to the GEMM's output rows in place) and FP8 kv_b as BF16 codes on
+// tensor cores, other dtypes as F32 GEMMs.
+//
+// The weights are packed (FP8 -> BF16 codes: nh * Rkv * dn + nh * (dn + dv) * Rkv elements, about
+// 50 MB of writes for DeepSeek-V3, some 20 us of an H100's bandwidth) on every call, not cached:
+// with stream-loaded layers (SLP) a layer's weights live in memory that later holds another
+// layer's, so a cache keyed by the weight's device address could return another layer's codes,
+// and the Device API carries no load generation to key it safely.
 // With `partial` (MlaAttentionPartial): the attention core honours the key ranges and merges
 // into the state (LaunchMlaAttendPartial); there is no projection.
 absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
@@ -426,14 +519,18 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
   const bool uk_round = a.w_uk_t[0].dtype != DType::kF32;
   const bool uv_round = a.kv_b.dtype != DType::kF32;
   const int64_t kvb_rows = nh * (dn + dv);
+  const MlaProjPlan uk_plan = PlanMlaProj(a.w_uk_t[0], /*max_k_blocks=*/1);
+  const MlaProjPlan uv_plan =
+      partial != nullptr ? MlaProjPlan{} : PlanMlaProj(a.kv_b, /*max_k_blocks=*/INT64_MAX);
 
-  const int64_t row_bytes = 4 * nh * (dn + row_floats + rkv + dv);
+  const int64_t row_bytes = 4 * nh * (dn + row_floats + rkv + dv) + MlaProjRowBytes(d);
   const MlaPlan plan = PlanMla(a.segments, a.dims.num_heads, kCudaMlaChunkBytes / row_bytes,
                                partial != nullptr ? a.key_ranges : std::span<const MlaKeyRange>());
   const int64_t total_rows = static_cast<int64_t>(plan.q_rows.size());
   if (total_rows == 0) return absl::OkStatus();
   const int64_t chunk = std::min(plan.chunk_rows, total_rows);
-  HMOE_RETURN_IF_ERROR(CheckGemmDims({nh * dn, nh * row_floats, nh * rkv, nh * dv, chunk}, "mla"));
+  HMOE_RETURN_IF_ERROR(CheckGemmDims(
+      {nh * dn, nh * row_floats, nh * rkv, nh * dv, chunk, nh * uv_plan.k_padded}, "mla"));
   if (nh > 65535) return absl::InvalidArgumentError("mla attention: more than 65535 heads");
   // Decode-sized calls (one chunk of few rows) read the projection weights directly.
   const bool small = total_rows <= cuda::kSmallLinearMaxTokens;
@@ -454,12 +551,20 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
 
   ScratchLayout layout;
   const size_t meta_off = layout.Add(meta.size());
-  const size_t uk_off = small ? 0 : layout.Add(static_cast<size_t>(nh * rkv * dn * 4));
+  const size_t uk_off =
+      small ? 0 : layout.Add(static_cast<size_t>(nh * rkv * dn * uk_plan.elem_bytes));
+  const bool project = !small && partial == nullptr;
   const size_t kvb_off =
-      small || partial != nullptr ? 0 : layout.Add(static_cast<size_t>(kvb_rows * rkv * 4));
+      project ? layout.Add(static_cast<size_t>(kvb_rows * uv_plan.k_padded * uv_plan.elem_bytes))
+              : 0;
   const size_t qn_off = layout.Add(static_cast<size_t>(chunk * nh * dn * 4));
+  const size_t qb_off = small ? 0 : layout.Add(static_cast<size_t>(chunk * nh * dn * 2));
   const size_t qcat_off = layout.Add(static_cast<size_t>(chunk * nh * row_floats * 4));
   const size_t u_off = layout.Add(static_cast<size_t>(chunk * nh * rkv * 4));
+  const size_t act_off =
+      project ? layout.Add(static_cast<size_t>(chunk * nh * uv_plan.k_padded * 4)) : 0;
+  const size_t part_off =
+      project ? layout.Add(static_cast<size_t>(uv_plan.num_blocks * chunk * nh * dv * 4)) : 0;
   const size_t o_off = layout.Add(static_cast<size_t>(chunk * nh * dv * 4));
   HMOE_ASSIGN_OR_RETURN(std::byte * scratch, s.Scratch(layout.size()));
 
@@ -470,15 +575,15 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
   const auto* tiles_dev = reinterpret_cast<const cuda::MlaTile*>(meta_dev + tiles_off);
   const auto* descs_dev = reinterpret_cast<const WeightDesc*>(meta_dev + descs_off);
 
-  auto* uk = reinterpret_cast<float*>(scratch + uk_off);
-  auto* kvb = reinterpret_cast<float*>(scratch + kvb_off);
+  std::byte* uk = scratch + uk_off;
+  std::byte* kvb = scratch + kvb_off;
   const WeightDesc kv_b = partial != nullptr ? WeightDesc{} : DescOf(a.kv_b);
   if (!small) {
     HMOE_LAUNCH(cuda::LaunchPackWeights(descs_dev, static_cast<int>(nh), rkv * dn, uk, rkv * dn,
-                                        cuda::PackMode::kF32, s.get()));
-    if (partial == nullptr) {
-      HMOE_LAUNCH(
-          cuda::LaunchPackWeight(kv_b, 0, kvb_rows, rkv, kvb, cuda::PackMode::kF32, s.get()));
+                                        PackModeOf(uk_plan), s.get()));
+    if (project) {
+      HMOE_LAUNCH(cuda::LaunchPackWeight(kv_b, 0, kvb_rows, uv_plan.k_padded, kvb,
+                                         PackModeOf(uv_plan), s.get()));
     }
   }
 
@@ -496,8 +601,10 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
   cache.row_floats = a.cache.row_floats;
 
   auto* qn = reinterpret_cast<float*>(scratch + qn_off);
+  auto* qb = reinterpret_cast<uint16_t*>(scratch + qb_off);
   auto* qcat = reinterpret_cast<float*>(scratch + qcat_off);
   auto* u = reinterpret_cast<float*>(scratch + u_off);
+  auto* partials = reinterpret_cast<float*>(scratch + part_off);
   auto* o = reinterpret_cast<float*>(scratch + o_off);
   for (size_t c = 0; c + 1 < plan.chunk_tiles.size(); ++c) {
     const int64_t r0 = static_cast<int64_t>(c) * plan.chunk_rows;
@@ -509,10 +616,20 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
       HMOE_LAUNCH(cuda::LaunchSmallLinear(WeightDesc{}, descs_dev, nh, 0, 0, rkv, qn, dn, nh * dn,
                                           rn, uk_round, qcat, row_floats, nh * row_floats,
                                           s.get()));
-    } else {
+    } else if (uk_plan.mode == MlaProjMode::kF32) {
       HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/false, rkv, rn, dn, uk, dn,
                                               rkv * dn, qn, nh * dn, dn, qcat, nh * row_floats,
                                               row_floats, nh));
+    } else {
+      // The code sums of the single 128-column block (q_nope is BF16-valued already: exact),
+      // then each W_UK^T row's block scale, in place.
+      HMOE_LAUNCH(cuda::LaunchF32ToBf16(qn, dn, rn * nh, dn, qb, dn, dn, s.get()));
+      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/true, rkv, rn, dn, uk, dn,
+                                              rkv * dn, qb, nh * dn, dn, qcat, nh * row_floats,
+                                              row_floats, nh));
+      HMOE_LAUNCH(cuda::LaunchMlaBlockScale(qcat, 1, 0, nh * row_floats, row_floats, rn, nh, rkv,
+                                            nullptr, 0, descs_dev, 0, 0, qcat, nh * row_floats,
+                                            row_floats, s.get()));
     }
     const int64_t t0 = plan.chunk_tiles[c];
     if (partial != nullptr) {
@@ -528,10 +645,8 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
       HMOE_LAUNCH(cuda::LaunchSmallLinear(kv_b, nullptr, nh, dn, dn + dv, dv, u, rkv, nh * rkv, rn,
                                           uv_round, o, dv, nh * dv, s.get()));
     } else {
-      if (uv_round) HMOE_LAUNCH(cuda::LaunchRoundToBf16(u, rn * nh * rkv, s.get()));
-      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/false, dv, rn, rkv,
-                                              kvb + dn * rkv, rkv, (dn + dv) * rkv, u, nh * rkv,
-                                              rkv, o, nh * dv, dv, nh));
+      HMOE_RETURN_IF_ERROR(
+          ProjectUv(s, d, a.kv_b, uv_plan, kvb, u, rn, scratch + act_off, partials, o));
     }
     HMOE_LAUNCH(cuda::LaunchCopyRows(o, nh * dv, nullptr, a.out, a.out_stride, q_rows_dev + r0, rn,
                                      nh * dv, s.get()));
@@ -540,8 +655,8 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
 }
 
 // MlaProjectLatent: out[t, h] = W_UV_h u[t, h], the projection step of RunMlaAttention (small
-// batches straight from the weight, otherwise kv_b converted to F32 and one strided batched GEMM
-// over the heads on BF16-rounded u), then the rows copied to `out`.
+// batches straight from the weight, otherwise kv_b packed as MlaProjMode says and ProjectUv over
+// all heads), then the rows copied to `out`.
 absl::Status RunMlaProject(CudaStream& s, const MlaDimensions& d, const LinearWeight& kv_b_w,
                            const float* u, int64_t n, float* out, int64_t out_stride) {
   if (d.num_heads <= 0 || d.nope_dim <= 0 || d.v_dim <= 0 || d.kv_lora_rank <= 0 || n < 0) {
@@ -560,19 +675,27 @@ absl::Status RunMlaProject(CudaStream& s, const MlaDimensions& d, const LinearWe
   const bool uv_round = kv_b_w.dtype != DType::kF32;
   const bool small = n <= cuda::kSmallLinearMaxTokens;
   const WeightDesc kv_b = DescOf(kv_b_w);
-  // Rows per pass bound the temporaries (a copy of u to round, the outputs).
-  const int64_t chunk = std::max<int64_t>(1, kCudaMlaChunkBytes / (4 * nh * (rkv + dv)));
-  HMOE_RETURN_IF_ERROR(CheckGemmDims({nh * rkv, nh * dv, std::min(chunk, n)}, "mla projection"));
+  const MlaProjPlan plan = PlanMlaProj(kv_b_w, /*max_k_blocks=*/INT64_MAX);
+  // Rows per pass bound the temporaries (the activations to round, partial sums, the outputs).
+  const int64_t chunk =
+      std::max<int64_t>(1, kCudaMlaChunkBytes / (4 * nh * dv + MlaProjRowBytes(d)));
+  const int64_t rows = std::min(chunk, n);
+  HMOE_RETURN_IF_ERROR(
+      CheckGemmDims({nh * rkv, nh * dv, rows, nh * plan.k_padded}, "mla projection"));
   ScratchLayout layout;
-  const size_t kvb_off = small ? 0 : layout.Add(static_cast<size_t>(kvb_rows * rkv * 4));
-  const size_t ur_off = layout.Add(static_cast<size_t>(std::min(chunk, n) * nh * rkv * 4));
-  const size_t o_off = layout.Add(static_cast<size_t>(std::min(chunk, n) * nh * dv * 4));
+  const size_t kvb_off =
+      small ? 0 : layout.Add(static_cast<size_t>(kvb_rows * plan.k_padded * plan.elem_bytes));
+  // kF32: a copy of u to round (floats); kFp8: u as BF16, whole blocks.
+  const size_t act_off = layout.Add(static_cast<size_t>(rows * nh * plan.k_padded * 4));
+  const size_t part_off = layout.Add(static_cast<size_t>(plan.num_blocks * rows * nh * dv * 4));
+  const size_t o_off = layout.Add(static_cast<size_t>(rows * nh * dv * 4));
   HMOE_ASSIGN_OR_RETURN(std::byte * scratch, s.Scratch(layout.size()));
-  auto* kvb = reinterpret_cast<float*>(scratch + kvb_off);
-  auto* ur = reinterpret_cast<float*>(scratch + ur_off);
+  std::byte* kvb = scratch + kvb_off;
+  auto* partials = reinterpret_cast<float*>(scratch + part_off);
   auto* o = reinterpret_cast<float*>(scratch + o_off);
   if (!small) {
-    HMOE_LAUNCH(cuda::LaunchPackWeight(kv_b, 0, kvb_rows, rkv, kvb, cuda::PackMode::kF32, s.get()));
+    HMOE_LAUNCH(
+        cuda::LaunchPackWeight(kv_b, 0, kvb_rows, plan.k_padded, kvb, PackModeOf(plan), s.get()));
   }
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rn = std::min(chunk, n - r0);
@@ -581,12 +704,8 @@ absl::Status RunMlaProject(CudaStream& s, const MlaDimensions& d, const LinearWe
       HMOE_LAUNCH(cuda::LaunchSmallLinear(kv_b, nullptr, nh, dn, dn + dv, dv, ur0, rkv, nh * rkv,
                                           rn, uv_round, o, dv, nh * dv, s.get()));
     } else {
-      HMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ur, ur0, static_cast<size_t>(rn * nh * rkv) * 4,
-                                                cudaMemcpyDeviceToDevice, s.get()));
-      if (uv_round) HMOE_LAUNCH(cuda::LaunchRoundToBf16(ur, rn * nh * rkv, s.get()));
-      HMOE_RETURN_IF_ERROR(GemmStridedBatched(s.cublas(), /*bf16=*/false, dv, rn, rkv,
-                                              kvb + dn * rkv, rkv, (dn + dv) * rkv, ur, nh * rkv,
-                                              rkv, o, nh * dv, dv, nh));
+      HMOE_RETURN_IF_ERROR(
+          ProjectUv(s, d, kv_b_w, plan, kvb, ur0, rn, scratch + act_off, partials, o));
     }
     HMOE_LAUNCH(cuda::LaunchCopyRows(o, nh * dv, nullptr, out + r0 * out_stride, out_stride,
                                      nullptr, rn, nh * dv, s.get()));

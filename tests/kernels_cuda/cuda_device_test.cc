@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -476,9 +477,46 @@ TEST_F(CudaVsCpuTest, MoeGateAtDeepSeekShapesMatchesCpu) {
   for (int64_t i = 0; i < n * k; ++i) EXPECT_NEAR(got_w[i], want_w[i], 1e-5f) << i;
 }
 
+// Higham's gamma_n: the worst-case relative error of a result that went through n roundings (a sum
+// of n terms in any order, products included), at a unit roundoff of 2^-23 rather than F32's
+// 2^-24: tensor-core accumulation may truncate instead of rounding to nearest (one ulp per
+// operation), and the bound must hold for both devices.
+double Gamma(double n) {
+  constexpr double kUnit = 0x1p-23;
+  return n * kUnit / (1.0 - n * kUnit);
+}
+
 TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
   // kv_lora_rank 512 + rope 64 (the kernel's 75 KB of shared memory), FP8 kv_b and W_UK^T with
   // 128-aligned heads, 64-token cache blocks; a prefill chunk and a batch of decode queries.
+  //
+  // Tolerances, from bounds computed on the host in double (the oracle is this test's own
+  // arithmetic on the inputs, not either device):
+  //  1. The latent attention u (MlaAttentionPartial with one full key range, first = true, on
+  //     both devices: the same kernels as the other ops). Each device's u differs from the exact
+  //     value by at most (e^{2r} - 1 + 2 gamma_{n+T+2} e^{2r}) * sum_s w_s |c_s,i| (w: the exact
+  //     softmax weights, c: the latent of key s, n keys in T tiles of 16), where r bounds the
+  //     relative error of each unnormalized weight: the score error E (the F32 error of
+  //     q~ = W_UK^T bf16(q_nope), gamma_{dn+4} sum |W q|, carried through the dot product with the
+  //     key, plus that dot product's own gamma_{D+2} sum |q~ k|, times the softmax scale), the
+  //     exp error (4 ulp) and one rescaling per tile of the online softmax. A weight perturbed by
+  //     at most e^{+-r} before normalization moves by at most (e^{2r} - 1) w_s after it.
+  //  2. The projection. Both devices round u to BF16 before the FP8 product, so a u_i whose F32
+  //     values differ in the last bits (summation order) and lie across a BF16 rounding boundary
+  //     changes the output by |W_UV[j, i]| * ulp_bf16(u_i), up to 2^-7 |u_i| |W_UV[j, i]|: a
+  //     fixed relative tolerance on the output is either too tight for such a flip or too loose
+  //     to catch bugs. So the GPU's output is compared with the CPU's MlaProjectLatent of the
+  //     GPU's own u (read back from MlaAttentionPartial: the attention kernel computes each
+  //     (row, head) independently of how rows are tiled, so that u is bitwise the u inside the
+  //     GPU's MlaPrefillAttention / MlaDecodeAttention): the same BF16 inputs, so only the
+  //     summation differs, and each side's block-scaled sum (128 products per block, exact, then
+  //     the block scale, then the sum over the blocks) is within gamma_{128 + blocks + 2} of
+  //     sum_i |W_UV[j, i] bf16(u_i)|.
+  //     The GPU's MlaProjectLatent of the same u is held to the same bound.
+  //  3. End to end (prefill: the CPU's MlaPrefillAttention and its MlaAttentionPartial group the
+  //     rows alike, so the CPU's u is bitwise its internal one): |got - want| <= sum_i
+  //     |W_UV[j, i]| |bf16(u_cpu,i) - bf16(u_gpu,i)| (the rounding flips, from the two read-back
+  //     u) + both summation bounds of 2.
   const int64_t nh = 4, dn = 128, dr = 64, dv = 128, rkv = 512, row = rkv + dr, block = 64;
   const Fp8Weight kv_b = MakeFp8(nh * (dn + dv), rkv, 10);
   // W_UK_h^T [rkv, dn]: the transposed codes of kv_b's W_UK rows, with transposed block scales.
@@ -497,6 +535,10 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
       t.scales[rb] = kv_b.scales[(h * (dn + dv) / 128) * (rkv / 128) + rb];
     }
   }
+  // kv_b's dense value (code * scale) at row r, column i; W_UK_h^T[c, k] = kv_b(h (dn+dv) + k, c).
+  auto w_at = [&](int64_t r, int64_t i) { return static_cast<double>(kv_b.dense[r * rkv + i]); };
+  auto bf16 = [](float v) { return static_cast<double>(Bf16ToFloat(FloatToBf16(v))); };
+  const double proj_gamma = Gamma(128 + rkv / 128 + 2);
   struct Seq {
     int64_t start_pos, num_queries;
   };
@@ -519,12 +561,14 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
     const std::vector<float> pool = RandomFloats(blocks * block * row, 20);
     const int64_t q_stride = nh * (dn + dr), out_stride = nh * dv;
     const std::vector<float> q = RandomFloats(rows * q_stride, 21);
+    const std::vector<MlaKeyRange> all_keys(segments.size(), MlaKeyRange{0, INT64_MAX});
 
     MlaAttentionArgs args;
     args.dims = {nh, dn, dr, dv, rkv, 0.1352f};
     args.q_stride = q_stride;
     args.out_stride = out_stride;
     args.segments = segments;
+    args.key_ranges = all_keys;
     // CPU: host pointers.
     std::vector<LinearWeight> cpu_uk, gpu_uk;
     for (int64_t h = 0; h < nh; ++h) {
@@ -537,12 +581,16 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
     args.w_uk_t = cpu_uk;
     args.kv_b = {DType::kF8E4M3,     kv_b.codes.data(), nh * (dn + dv), rkv, rkv,
                  kv_b.scales.data(), rkv / 128};
+    const LinearWeight cpu_kv_b = args.kv_b;
     args.cache = {cpu_pool.data(), block, block * row, row};
     args.block_tables = tables.data();
     args.out = want.data();
     ASSERT_TRUE((decode ? cpu_->MlaDecodeAttention(*cpu_stream_, args)
                         : cpu_->MlaPrefillAttention(*cpu_stream_, args))
                     .ok());
+    std::vector<float> cpu_u(rows * nh * rkv), cpu_lse(rows * nh);
+    ASSERT_TRUE(
+        cpu_->MlaAttentionPartial(*cpu_stream_, args, {cpu_u.data(), cpu_lse.data(), true}).ok());
     // GPU: the same arguments in device memory.
     args.q = Gpu(q);
     args.w_uk_t = gpu_uk;
@@ -556,11 +604,120 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
                         : gpu_->MlaPrefillAttention(*gpu_stream_, args))
                     .ok());
     const std::vector<float> got = FromGpu(out, rows * out_stride);
-    float max_abs = 0.0f;
-    for (float v : want) max_abs = std::max(max_abs, std::abs(v));
-    for (int64_t i = 0; i < rows * out_stride; ++i) {
-      ASSERT_NEAR(got[i], want[i], 1e-4f * (max_abs + std::abs(want[i]))) << "element " << i;
+    float* gpu_u_dev = Gpu(std::vector<float>(rows * nh * rkv));
+    float* gpu_lse_dev = Gpu(std::vector<float>(rows * nh));
+    ASSERT_TRUE(gpu_->MlaAttentionPartial(*gpu_stream_, args, {gpu_u_dev, gpu_lse_dev, true}).ok());
+    const std::vector<float> gpu_u = FromGpu(gpu_u_dev, rows * nh * rkv);
+    // The CPU's projection of the GPU's u, and the GPU's own MlaProjectLatent of it.
+    std::vector<float> ref(rows * out_stride);
+    ASSERT_TRUE(cpu_->MlaProjectLatent(*cpu_stream_, args.dims, cpu_kv_b, gpu_u.data(), rows,
+                                       ref.data(), out_stride)
+                    .ok());
+    float* proj_dev = Gpu(std::vector<float>(rows * out_stride));
+    ASSERT_TRUE(gpu_->MlaProjectLatent(*gpu_stream_, args.dims, args.kv_b, gpu_u_dev, rows,
+                                       proj_dev, out_stride)
+                    .ok());
+    const std::vector<float> proj = FromGpu(proj_dev, rows * out_stride);
+
+    const double scale = args.dims.softmax_scale;
+    double worst_u = 0.0, worst_proj = 0.0, worst_end = 0.0;  // largest |difference| / bound
+    double max_end_diff = 0.0;
+    for (const MlaSegment& seg : segments) {
+      for (int64_t qi = 0; qi < seg.num_queries; ++qi) {
+        const int64_t t = seg.query_begin + qi;
+        const int64_t nk = seg.start_pos + qi + 1;  // keys 0 .. pos
+        std::vector<const float*> keys(nk);
+        for (int64_t s = 0; s < nk; ++s) {
+          keys[s] = pool.data() +
+                    (static_cast<int64_t>(tables[seg.block_table_offset + s / block]) * block +
+                     s % block) *
+                        row;
+        }
+        for (int64_t h = 0; h < nh; ++h) {
+          SCOPED_TRACE(::testing::Message() << "row " << t << " head " << h);
+          const float* qt = q.data() + t * q_stride + h * (dn + dr);
+          // 1. q~ exactly, and a bound on each device's error in it.
+          std::vector<double> qt_exact(rkv), qt_err(rkv);
+          for (int64_t c = 0; c < rkv; ++c) {
+            double sum = 0.0, mag = 0.0;
+            for (int64_t k = 0; k < dn; ++k) {
+              const double p = w_at(h * (dn + dv) + k, c) * bf16(qt[k]);
+              sum += p;
+              mag += std::abs(p);
+            }
+            qt_exact[c] = sum;
+            qt_err[c] = Gamma(dn + 4) * mag;
+          }
+          std::vector<double> w(nk);
+          double max_score = -INFINITY, max_err = 0.0;
+          for (int64_t s = 0; s < nk; ++s) {
+            double dot = 0.0, mag = 0.0, carried = 0.0;
+            for (int64_t c = 0; c < rkv; ++c) {
+              dot += qt_exact[c] * keys[s][c];
+              mag += (std::abs(qt_exact[c]) + qt_err[c]) * std::abs(keys[s][c]);
+              carried += qt_err[c] * std::abs(keys[s][c]);
+            }
+            for (int64_t c = 0; c < dr; ++c) {
+              dot += static_cast<double>(qt[dn + c]) * keys[s][rkv + c];
+              mag += std::abs(static_cast<double>(qt[dn + c]) * keys[s][rkv + c]);
+            }
+            w[s] = scale * dot;
+            max_score = std::max(max_score, w[s]);
+            max_err = std::max(max_err, scale * (carried + Gamma(row + 2) * mag));
+          }
+          double total = 0.0;
+          for (double& v : w) total += (v = std::exp(v - max_score));
+          for (double& v : w) v /= total;
+          const double tiles = static_cast<double>(nk / 16 + 2);
+          const double exp_err = 4 * 0x1p-23;
+          const double r = max_err + exp_err + tiles * (exp_err + 0x1p-23);
+          const double factor =
+              std::expm1(2 * r) + 2 * Gamma(static_cast<double>(nk) + tiles + 2) * std::exp(2 * r);
+          const float* ucpu = cpu_u.data() + (t * nh + h) * rkv;
+          const float* ugpu = gpu_u.data() + (t * nh + h) * rkv;
+          for (int64_t c = 0; c < rkv; ++c) {
+            double mag = 0.0;
+            for (int64_t s = 0; s < nk; ++s) mag += w[s] * std::abs(keys[s][c]);
+            const double bound = 2 * factor * mag;  // both devices
+            const double diff = std::abs(static_cast<double>(ugpu[c]) - ucpu[c]);
+            ASSERT_LE(diff, bound) << "u dim " << c << ": gpu " << ugpu[c] << " cpu " << ucpu[c];
+            worst_u = std::max(worst_u, diff / bound);
+          }
+          // 2 and 3: the projection.
+          for (int64_t j = 0; j < dv; ++j) {
+            const int64_t wr = h * (dn + dv) + dn + j;
+            double mag_gpu = 0.0, mag_cpu = 0.0, flips = 0.0;
+            for (int64_t c = 0; c < rkv; ++c) {
+              const double a = std::abs(w_at(wr, c));
+              mag_gpu += a * std::abs(bf16(ugpu[c]));
+              mag_cpu += a * std::abs(bf16(ucpu[c]));
+              flips += a * std::abs(bf16(ugpu[c]) - bf16(ucpu[c]));
+            }
+            const int64_t o = t * out_stride + h * dv + j;
+            const double proj_bound = 2 * proj_gamma * mag_gpu;
+            const double proj_diff = std::abs(static_cast<double>(got[o]) - ref[o]);
+            ASSERT_LE(proj_diff, proj_bound) << "output " << j << ": gpu " << got[o]
+                                             << ", cpu projection of the gpu's u " << ref[o];
+            worst_proj = std::max(worst_proj, proj_diff / proj_bound);
+            ASSERT_LE(std::abs(static_cast<double>(proj[o]) - ref[o]), proj_bound)
+                << "output " << j << ": gpu MlaProjectLatent " << proj[o] << ", cpu " << ref[o];
+            if (!decode) {
+              const double end_bound = flips + proj_gamma * (mag_gpu + mag_cpu);
+              const double end_diff = std::abs(static_cast<double>(got[o]) - want[o]);
+              ASSERT_LE(end_diff, end_bound)
+                  << "output " << j << ": gpu " << got[o] << ", cpu " << want[o];
+              worst_end = std::max(worst_end, end_diff / end_bound);
+              max_end_diff = std::max(max_end_diff, end_diff);
+            }
+          }
+        }
+      }
     }
+    // The margins, for the record (a ratio near 1 means the bound is tight for this data).
+    std::printf(
+        "%s: largest |diff| / bound: u %.3g, projection %.3g, end to end %.3g (largest "
+        "end-to-end |diff| %.3g)\n",
+        decode ? "decode" : "prefill", worst_u, worst_proj, worst_end, max_end_diff);
   }
 }
 

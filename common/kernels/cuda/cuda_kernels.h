@@ -239,4 +239,21 @@ cudaError_t LaunchMlaAttendPartial(const MlaDimensions& shape, const float* qcat
                                    float* state_u, float* state_lse, bool first,
                                    cudaStream_t stream);
 
+// The block scales of MLA's FP8 projections (CudaDevice runs them as BF16 GEMMs of the exact code
+// values, one per 128-column block, with F32 accumulation), for `heads` heads at once: for
+// t < rows, h < heads, j < cols,
+//   y[t * y_stride + h * y_head_stride + j] =
+//       sum_b S_h[((row_base + h * row_step + j) / 128) * s_h + b]
+//             * partials[b * plane_stride + t * p_stride + h * p_head_stride + j]
+// summed over b < num_blocks in increasing order in F32 (as LaunchBlockScaleCombine: each
+// block's sum times its scale), where S_h, s_h are descs[h].scale_inv, descs[h].scale_stride
+// when `descs` (device array of per-head weights) is non-null, else scale_inv, scale_stride.
+// y may alias partials when num_blocks is 1 and the strides agree (in place).
+cudaError_t LaunchMlaBlockScale(const float* partials, int64_t num_blocks, int64_t plane_stride,
+                                int64_t p_stride, int64_t p_head_stride, int64_t rows,
+                                int64_t heads, int64_t cols, const float* scale_inv,
+                                int64_t scale_stride, const WeightDesc* descs, int64_t row_base,
+                                int64_t row_step, float* y, int64_t y_stride, int64_t y_head_stride,
+                                cudaStream_t stream);
+
 }  // namespace hmoe::cuda

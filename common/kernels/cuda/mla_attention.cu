@@ -1,6 +1,7 @@
 // The attention core of weight-absorbed MLA (MODEL-SPEC §3.7) over a paged latent cache, for
 // prefill and decode alike. The projections around it (q~ = W_UK^T q_nope, out = W_UV u) are
-// F32 cuBLAS GEMMs issued by the CUDA device; this file gathers the queries and runs
+// cuBLAS GEMMs issued by the CUDA device (FP8 weights: BF16 codes on tensor cores, then
+// LaunchMlaBlockScale); this file gathers the queries and runs
 //
 //   u = sum_s softmax_s(scale * [q~ | q_pe] . [c_s | k_pe_s]) c_s
 //
@@ -243,6 +244,33 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// LaunchMlaBlockScale. No __restrict__: y may alias partials (one block, same strides): each
+// element is read before it is written, by the same thread.
+__global__ void MlaBlockScaleKernel(const float* partials, int64_t num_blocks, int64_t plane_stride,
+                                    int64_t p_stride, int64_t p_head_stride, int64_t rows,
+                                    int64_t heads, int64_t cols,
+                                    const float* __restrict__ scale_inv, int64_t scale_stride,
+                                    const WeightDesc* __restrict__ descs, int64_t row_base,
+                                    int64_t row_step, float* y, int64_t y_stride,
+                                    int64_t y_head_stride) {
+  const int64_t n = rows * heads * cols;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const int64_t t = i / (heads * cols);
+    const int64_t rest = i - t * heads * cols;
+    const int64_t h = rest / cols;
+    const int64_t j = rest - h * cols;
+    const float* scales = descs != nullptr ? descs[h].scale_inv : scale_inv;
+    const int64_t ss = descs != nullptr ? descs[h].scale_stride : scale_stride;
+    const float* sc = scales + ((row_base + h * row_step + j) / 128) * ss;
+    const float* p = partials + t * p_stride + h * p_head_stride + j;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < num_blocks; ++b) acc += sc[b] * p[b * plane_stride];
+    y[t * y_stride + h * y_head_stride + j] = acc;
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_rows,
@@ -307,6 +335,23 @@ cudaError_t LaunchMlaAttendPartial(const MlaDimensions& shape, const float* qcat
   MlaAttendKernel<true>
       <<<static_cast<unsigned>(num_tiles), kThreads, static_cast<size_t>(shared_bytes), stream>>>(
           shape, qcat, cache, block_tables, tiles, nullptr, partial);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMlaBlockScale(const float* partials, int64_t num_blocks, int64_t plane_stride,
+                                int64_t p_stride, int64_t p_head_stride, int64_t rows,
+                                int64_t heads, int64_t cols, const float* scale_inv,
+                                int64_t scale_stride, const WeightDesc* descs, int64_t row_base,
+                                int64_t row_step, float* y, int64_t y_stride, int64_t y_head_stride,
+                                cudaStream_t stream) {
+  const int64_t n = rows * heads * cols;
+  if (n <= 0) return cudaSuccess;
+  if (num_blocks <= 0 || (descs == nullptr && scale_inv == nullptr)) return cudaErrorInvalidValue;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  MlaBlockScaleKernel<<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535), kThreads, 0,
+                        stream>>>(partials, num_blocks, plane_stride, p_stride, p_head_stride, rows,
+                                  heads, cols, scale_inv, scale_stride, descs, row_base, row_step,
+                                  y, y_stride, y_head_stride);
   return cudaGetLastError();
 }
 
