@@ -193,7 +193,7 @@ say "tests: $(grep -c ' PASS ' "$REPORT/tests.txt" || true) binaries passed, $fa
 if [[ $BENCH == 1 ]]; then
   if [[ -x "$BUILD/tests/bench/hmoe_gpu_bench" ]]; then
     say "GPU benchmark"
-    if (cd "$BUILD" && timeout 600 ./tests/bench/hmoe_gpu_bench --json "$REPORT/gpu_bench.json" \
+    if (cd "$BUILD" && timeout 300 ./tests/bench/hmoe_gpu_bench --json "$REPORT/gpu_bench.json" \
           >"$REPORT/gpu_bench.txt" 2>&1); then
       echo "hmoe_gpu_bench PASS" >>"$REPORT/steps.txt"
     else
