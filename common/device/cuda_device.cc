@@ -47,6 +47,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -499,9 +500,86 @@ int64_t MlaProjRowBytes(const MlaDimensions& d) {
 // and the Device API carries no load generation to key it safely.
 // With `partial` (MlaAttentionPartial): the attention core honours the key ranges and merges
 // into the state (LaunchMlaAttendPartial); there is no projection.
+// HMOE_CUDA_MLA_ATTENTION: "gemm" (default) scores each sequence's keys with cuBLAS F32 GEMMs
+// (cuda_kernels.h, LaunchMlaMaskedSoftmax); "tiles" keeps the tiled kernel (LaunchMlaAttend), which
+// the first H100 run measured at 1.4-1.6 TFLOP/s in prefill and 14 ms per layer for one decode
+// query at 4K context (docs/PERFORMANCE.md "GPU check"). MlaAttentionPartial always tiles.
+absl::StatusOr<bool> MlaAttentionGemm() {
+  const char* env = std::getenv("HMOE_CUDA_MLA_ATTENTION");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "gemm") == 0) return true;
+  if (std::strcmp(env, "tiles") == 0) return false;
+  return absl::InvalidArgumentError(
+      absl::StrCat("HMOE_CUDA_MLA_ATTENTION=\"", env, "\": expected \"gemm\" or \"tiles\""));
+}
+
+// Scores of a GEMM-attention block are capped at this many bytes (the rows of a run are split).
+constexpr int64_t kMlaScoreBytes = int64_t{256} << 20;
+
+// One sequence's consecutive query rows within a chunk of RunMlaAttention.
+struct MlaRun {
+  int64_t first_row = 0;  // chunk-local
+  int64_t rows = 0;
+  int64_t first_pos = 0;
+  int64_t table_offset = 0;
+};
+
+// The runs of a chunk's tiles (those with first_head 0 cover each query once, in order).
+std::vector<MlaRun> MlaRunsOf(std::span<const cuda::MlaTile> tiles) {
+  std::vector<MlaRun> runs;
+  for (const cuda::MlaTile& t : tiles) {
+    if (t.first_head != 0) continue;
+    if (!runs.empty()) {
+      MlaRun& last = runs.back();
+      if (last.table_offset == t.table_offset && last.first_row + last.rows == t.first_row &&
+          last.first_pos + last.rows == t.first_pos) {
+        last.rows += t.num_queries;
+        continue;
+      }
+    }
+    runs.push_back({t.first_row, t.num_queries, t.first_pos, t.table_offset});
+  }
+  return runs;
+}
+
+// u[(row * nh + h) * rkv ...] for the runs' rows: gather, score GEMM, masked softmax, P c GEMM.
+absl::Status MlaAttendGemm(CudaStream& s, const MlaDimensions& d, const float* qcat,
+                           const cuda::KvCacheDesc& cache, const int32_t* block_tables,
+                           std::span<const MlaRun> runs, float* kv, float* scores,
+                           int64_t score_floats, float* u) {
+  const int64_t nh = d.num_heads, rkv = d.kv_lora_rank, rf = cache.row_floats;
+  for (const MlaRun& run : runs) {
+    const int64_t keys = run.first_pos + run.rows;  // the last query sees them all
+    HMOE_LAUNCH(
+        cuda::LaunchGatherKvRows(cache, block_tables + run.table_offset, keys, kv, s.get()));
+    const int64_t step = std::max<int64_t>(1, score_floats / (nh * keys));
+    for (int64_t q = 0; q < run.rows; q += step) {
+      const int64_t m = std::min(step, run.rows - q) * nh;  // (query, head) rows
+      HMOE_RETURN_IF_ERROR(CheckGemmDims({keys, m, rf}, "mla attention gemm"));
+      const float scale = d.softmax_scale, one = 1.0f, zero = 0.0f;
+      // scores[i][k] = scale * qcat_row_i . kv_k (column-major: kv^T as op T, qcat rows as op N).
+      HMOE_CUBLAS_RETURN_IF_ERROR(
+          cublasSgemm(s.cublas(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(keys),
+                      static_cast<int>(m), static_cast<int>(rf), &scale, kv, static_cast<int>(rf),
+                      qcat + (run.first_row + q) * nh * rf, static_cast<int>(rf), &zero, scores,
+                      static_cast<int>(keys)));
+      HMOE_LAUNCH(cuda::LaunchMlaMaskedSoftmax(scores, m, keys, nh, run.first_pos + q, s.get()));
+      // u_i = sum_k p_ik c_k (c: the first rkv floats of each key row).
+      HMOE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(
+          s.cublas(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(rkv), static_cast<int>(m),
+          static_cast<int>(keys), &one, kv, static_cast<int>(rf), scores, static_cast<int>(keys),
+          &zero, u + (run.first_row + q) * nh * rkv, static_cast<int>(rkv)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
                              const MlaPartialState* partial = nullptr) {
   HMOE_RETURN_IF_ERROR(ValidateMla(a, partial != nullptr));
+  bool gemm_attend = false;
+  if (partial == nullptr) {
+    HMOE_ASSIGN_OR_RETURN(gemm_attend, MlaAttentionGemm());
+  }
   if (partial != nullptr) {
     if (a.key_ranges.size() != a.segments.size()) {
       return absl::InvalidArgumentError(absl::StrCat("mla partial attention: ", a.key_ranges.size(),
@@ -566,6 +644,16 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
   const size_t part_off =
       project ? layout.Add(static_cast<size_t>(uv_plan.num_blocks * chunk * nh * dv * 4)) : 0;
   const size_t o_off = layout.Add(static_cast<size_t>(chunk * nh * dv * 4));
+  // GEMM attention: one sequence's keys, and a block of scores (at least one query's heads).
+  int64_t max_keys = 0;
+  for (const MlaSegment& seg : a.segments) {
+    max_keys = std::max(max_keys, seg.start_pos + seg.num_queries);
+  }
+  const int64_t score_floats =
+      std::max(nh * max_keys, std::min(chunk * nh * max_keys, kMlaScoreBytes / 4));
+  const size_t kv_off =
+      gemm_attend ? layout.Add(static_cast<size_t>(max_keys * a.cache.row_floats * 4)) : 0;
+  const size_t scores_off = gemm_attend ? layout.Add(static_cast<size_t>(score_floats * 4)) : 0;
   HMOE_ASSIGN_OR_RETURN(std::byte * scratch, s.Scratch(layout.size()));
 
   std::byte* meta_dev = scratch + meta_off;
@@ -638,8 +726,16 @@ absl::Status RunMlaAttention(CudaStream& s, const MlaAttentionArgs& a,
                                                partial->u, partial->lse, partial->first, s.get()));
       continue;
     }
-    HMOE_LAUNCH(cuda::LaunchMlaAttend(shape, qcat, cache, a.block_tables, tiles_dev + t0,
-                                      plan.chunk_tiles[c + 1] - t0, u, s.get()));
+    if (gemm_attend) {
+      const std::vector<MlaRun> runs = MlaRunsOf(std::span<const cuda::MlaTile>(
+          plan.tiles.data() + t0, static_cast<size_t>(plan.chunk_tiles[c + 1] - t0)));
+      HMOE_RETURN_IF_ERROR(MlaAttendGemm(
+          s, shape, qcat, cache, a.block_tables, runs, reinterpret_cast<float*>(scratch + kv_off),
+          reinterpret_cast<float*>(scratch + scores_off), score_floats, u));
+    } else {
+      HMOE_LAUNCH(cuda::LaunchMlaAttend(shape, qcat, cache, a.block_tables, tiles_dev + t0,
+                                        plan.chunk_tiles[c + 1] - t0, u, s.get()));
+    }
     // o[t, h, :] = W_UV_h u[t, h]: W_UV_h is rows h * (dn + dv) + dn .. + dv of kv_b.
     if (small) {
       HMOE_LAUNCH(cuda::LaunchSmallLinear(kv_b, nullptr, nh, dn, dn + dv, dv, u, rkv, nh * rkv, rn,

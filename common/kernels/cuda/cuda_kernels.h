@@ -227,6 +227,22 @@ cudaError_t LaunchMlaAttend(const MlaDimensions& shape, const float* qcat, const
                             const int32_t* block_tables, const MlaTile* tiles, int64_t num_tiles,
                             float* u, cudaStream_t stream);
 
+// The GEMM form of the same attention (the CUDA device's default, HMOE_CUDA_MLA_ATTENTION): the
+// device gathers one sequence's keys into a dense [num_keys, row_floats] matrix
+// (LaunchGatherKvRows), scores a block of (query, head) rows against all of them with one F32
+// cuBLAS GEMM (scaled by softmax_scale), turns each row into probabilities over its visible keys
+// (LaunchMlaMaskedSoftmax: keys past the row's position get 0), and forms u = P c with a second
+// F32 GEMM. F32 throughout, as LaunchMlaAttend; only the summation order differs.
+//
+// dst[k * row_floats + c] = cache row of key k (block_table[k / block_size]), k < num_keys.
+cudaError_t LaunchGatherKvRows(const KvCacheDesc& cache, const int32_t* block_table,
+                               int64_t num_keys, float* dst, cudaStream_t stream);
+// For each of num_rows rows of `scores` (row i: [num_keys] floats at scores + i * num_keys, row i
+// belongs to query i / num_heads at absolute position first_pos + i / num_heads): softmax over
+// keys 0 .. position (in place), 0 for the later keys.
+cudaError_t LaunchMlaMaskedSoftmax(float* scores, int64_t num_rows, int64_t num_keys,
+                                   int64_t num_heads, int64_t first_pos, cudaStream_t stream);
+
 // Context-parallel variant (Device::MlaAttentionPartial): each tile's queries see only the keys
 // [key_begin, key_end) of their sequence (and causality), and the attention over them is merged
 // into the running state of the query row q_rows[t] (t: the tile's compact row) and head h:

@@ -284,6 +284,104 @@ cudaError_t LaunchMlaGatherQ(const float* q, int64_t q_stride, const int32_t* q_
   return cudaGetLastError();
 }
 
+namespace {
+
+__global__ void GatherKvRowsKernel(KvCacheDesc cache, const int32_t* __restrict__ table,
+                                   int64_t num_keys, float* __restrict__ dst) {
+  const int64_t d = cache.row_floats;
+  const int64_t n = num_keys * d;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    const int64_t k = i / d;
+    const int64_t c = i - k * d;
+    const int64_t block = table[k / cache.block_size];
+    dst[i] = cache.base[block * cache.block_stride + (k % cache.block_size) * d + c];
+  }
+}
+
+__device__ float BlockMax(float v, float* red) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = o > v ? o : v;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kWarps ? red[lane] : kernels::NegInfinity();
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float o = __shfl_xor_sync(0xffffffffu, v, offset);
+      v = o > v ? o : v;
+    }
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  v = red[0];
+  __syncthreads();
+  return v;
+}
+
+__device__ float BlockSum(float v, float* red) {
+  v = WarpSum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = WarpSum(lane < kWarps ? red[lane] : 0.0f);
+    if (lane == 0) red[0] = v;
+  }
+  __syncthreads();
+  v = red[0];
+  __syncthreads();
+  return v;
+}
+
+// One block per row.
+__global__ void __launch_bounds__(kThreads)
+    MlaMaskedSoftmaxKernel(float* __restrict__ scores, int64_t num_keys, int64_t num_heads,
+                           int64_t first_pos) {
+  __shared__ float red[kWarps];
+  const int64_t row = blockIdx.x;
+  float* p = scores + row * num_keys;
+  const int64_t pos = first_pos + row / num_heads;
+  const int64_t visible = pos + 1 < num_keys ? pos + 1 : num_keys;
+  float m = kernels::NegInfinity();
+  for (int64_t k = threadIdx.x; k < visible; k += kThreads) m = p[k] > m ? p[k] : m;
+  m = BlockMax(m, red);
+  float sum = 0.0f;
+  for (int64_t k = threadIdx.x; k < visible; k += kThreads) {
+    const float e = kernels::ExpF(p[k] - m);
+    p[k] = e;
+    sum += e;
+  }
+  sum = BlockSum(sum, red);
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  for (int64_t k = threadIdx.x; k < num_keys; k += kThreads) p[k] = k < visible ? p[k] * inv : 0.0f;
+}
+
+}  // namespace
+
+cudaError_t LaunchGatherKvRows(const KvCacheDesc& cache, const int32_t* block_table,
+                               int64_t num_keys, float* dst, cudaStream_t stream) {
+  if (num_keys <= 0) return cudaSuccess;
+  const int64_t n = num_keys * cache.row_floats;
+  const int64_t blocks =
+      (n + kThreads - 1) / kThreads < 4096 ? (n + kThreads - 1) / kThreads : 4096;
+  GatherKvRowsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(cache, block_table,
+                                                                             num_keys, dst);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMlaMaskedSoftmax(float* scores, int64_t num_rows, int64_t num_keys,
+                                   int64_t num_heads, int64_t first_pos, cudaStream_t stream) {
+  if (num_rows <= 0 || num_keys <= 0) return cudaSuccess;
+  if (num_rows > 0x7fffffff || num_heads <= 0) return cudaErrorInvalidValue;
+  MlaMaskedSoftmaxKernel<<<static_cast<unsigned>(num_rows), kThreads, 0, stream>>>(
+      scores, num_keys, num_heads, first_pos);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchMlaAttend(const MlaDimensions& shape, const float* qcat, const KvCacheDesc& cache,
                             const int32_t* block_tables, const MlaTile* tiles, int64_t num_tiles,
                             float* u, cudaStream_t stream) {
