@@ -45,12 +45,17 @@
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
 #include "common/model/gguf_model.h"
+#include "common/model/gguf_source.h"
 #include "common/model/tokenizer.h"
 #include "tools/gguf_f32_weights.h"
 
 ABSL_FLAG(std::string, model, "",
           "checkpoint directory (config.json + safetensors), or a GGUF file (*.gguf; any part of "
           "a split model): its weights dequantized to FP32");
+ABSL_FLAG(std::string, quant_activations, "q8k",
+          "for a GGUF: q8k rounds the activations of its block-quantized weights to Q8_K, as the "
+          "served engine does by default (docs/gguf.md); f32 keeps them in FP32 "
+          "(HMOE_QUANT_ACTIVATIONS=f32 of the engine)");
 ABSL_FLAG(std::string, prompt_ids, "", "comma-separated prompt token ids, e.g. 1,2,3");
 ABSL_FLAG(std::string, prompt, "",
           "prompt text, encoded with the checkpoint's tokenizer (instead of --prompt-ids); the "
@@ -151,6 +156,14 @@ absl::Status Run() {
     HMOE_ASSIGN_OR_RETURN(const ModelConfig config, ModelConfigFromGguf(*gguf));
     HMOE_ASSIGN_OR_RETURN(std::unique_ptr<InMemoryWeightSource> weights,
                           LoadGgufAsF32Weights(config, *gguf));
+    const std::string quant = absl::GetFlag(FLAGS_quant_activations);
+    if (quant == "q8k") {
+      HMOE_ASSIGN_OR_RETURN(std::unique_ptr<GgufCheckpoint> served, GgufCheckpoint::Open(dir));
+      options.q8k_activation_tensors = BlockQuantizedTensorNames(*served);
+    } else if (quant != "f32") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--quant_activations must be q8k or f32, got \"", quant, "\""));
+    }
     HMOE_ASSIGN_OR_RETURN(model, reference::ReferenceModel::Create(config, *weights, options));
     gguf.reset();
   } else {

@@ -20,4 +20,13 @@ absl::StatusOr<std::unique_ptr<InMemoryWeightSource>> LoadGgufAsF32Weights(
   return weights;
 }
 
+std::set<std::string> BlockQuantizedTensorNames(const WeightSource& source) {
+  std::set<std::string> names;
+  for (const std::string& name : source.TensorNames()) {
+    absl::StatusOr<TensorView> t = source.GetTensor(name);
+    if (t.ok() && IsBlockDType(t->dtype)) names.insert(name);
+  }
+  return names;
+}
+
 }  // namespace hmoe

@@ -125,6 +125,9 @@ int64_t PackedRowBytes(const CpuKernels& k, const LinearWeight& w) {
     case DType::kBF16:
       return (cpu::Bf16Gemv::PackedBytes(w.cols) + 63) / 64 * 64;
     default:
+      if (k.quant != nullptr && IsBlockDType(w.dtype)) {
+        return cpu::Q8KBlocks(w.cols) * static_cast<int64_t>(sizeof(cpu::BlockQ8K));
+      }
       return 0;
   }
 }
@@ -136,6 +139,9 @@ void PackRows(const CpuKernels& k, const LinearWeight& w, const float* x, int64_
       k.fp8->Pack(x + t * x_stride, w.cols, 0, w.cols, packed + t * packed_stride);
     } else if (w.dtype == DType::kBF16) {
       cpu::Bf16Gemv::Pack(x + t * x_stride, w.cols, packed + t * packed_stride);
+    } else if (k.quant != nullptr && IsBlockDType(w.dtype)) {
+      cpu::QuantizeQ8K(x + t * x_stride, w.cols,
+                       reinterpret_cast<cpu::BlockQ8K*>(packed + t * packed_stride));
     }
   }
 }
@@ -166,8 +172,15 @@ void LinearRows(const CpuKernels& k, const LinearWeight& w, const std::byte* pac
                      m_begin, m_end, y, y_stride);
       return;
     default:
-      // GGUF block types (and F16): the one quantized product (common/ops/cpu/quantized_linear.h).
+      // GGUF block types (and F16): common/ops/cpu/quantized_linear.h.
       HMOE_CHECK(cpu::IsQuantizedLinearDType(w.dtype)) << "unsupported dtype";
+      if (k.quant != nullptr && IsBlockDType(w.dtype)) {
+        cpu::QuantizedLinearRowsQ8K(*k.quant, QuantizedView(w),
+                                    reinterpret_cast<const cpu::BlockQ8K*>(packed),
+                                    packed_stride / static_cast<int64_t>(sizeof(cpu::BlockQ8K)), n,
+                                    m_begin, m_end, y, y_stride);
+        return;
+      }
       cpu::QuantizedLinearRows(QuantizedView(w), x, x_stride, n, m_begin, m_end, y, y_stride);
   }
 }
@@ -250,6 +263,9 @@ class CpuDevice final : public Device {
     kernels_.gemm_min_tokens = options.fp8_gemm_min_tokens >= 0 ? options.fp8_gemm_min_tokens
                                : cpu::Fp8GemmMatchesGemv(isa)   ? cpu::Fp8GemmMinTokens(isa)
                                                                 : INT64_MAX;
+    if (options.quant_activations == cpu::QuantActivations::kQ8K) {
+      kernels_.quant = &cpu::DefaultQuantGemv();
+    }
   }
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
@@ -326,7 +342,9 @@ class CpuDevice final : public Device {
     }
     const int64_t packed_stride = internal::PackedRowBytes(kernels_, w);
     std::byte* packed = nullptr;
-    if (packed_stride > 0) {
+    if (packed_stride > 0 && kernels_.quant != nullptr && IsBlockDType(w.dtype)) {
+      packed = PackQ8K(w, x, x_stride, n, packed_stride);
+    } else if (packed_stride > 0) {
       packed = pack_scratch_.Get(static_cast<size_t>(packed_stride * n));
       // Decode-sized batches pack on the caller; prefill-sized ones split the tokens over the
       // pool first (packing is a visible share of a prefill GEMM otherwise).
@@ -652,6 +670,40 @@ class CpuDevice final : public Device {
     pool_->Run([&](int thread) { job(thread, threads); });
   }
 
+  // The Q8_K rows of x for a block-type weight (packed_stride bytes each). Decode-sized inputs
+  // equal to the previous call's (the same n, cols and bytes: an expert's gate and up, q_a and
+  // kv_a of one token) reuse its blocks; the F32 input is compared, never trusted by address.
+  std::byte* PackQ8K(const LinearWeight& w, const float* x, int64_t x_stride, int64_t n,
+                     int64_t packed_stride) {
+    Q8KInput& c = q8k_input_;
+    const bool cacheable = n <= cpu::kMaxMatVecTokens;
+    if (cacheable && c.n == n && c.cols == w.cols && c.packed_stride == packed_stride) {
+      bool same = true;
+      for (int64_t t = 0; t < n && same; ++t) {
+        same = std::memcmp(x + t * x_stride, c.input.data() + t * w.cols,
+                           static_cast<size_t>(w.cols) * sizeof(float)) == 0;
+      }
+      if (same) return c.packed.Get(static_cast<size_t>(packed_stride * n));
+    }
+    std::byte* packed = c.packed.Get(static_cast<size_t>(packed_stride * n));
+    ParallelRange(n, n > cpu::kMaxMatVecTokens, [&](int64_t t0, int64_t t1) {
+      internal::PackRows(kernels_, w, x + t0 * x_stride, x_stride, t1 - t0,
+                         packed + t0 * packed_stride, packed_stride);
+    });
+    c.n = 0;
+    if (cacheable) {
+      c.input.resize(static_cast<size_t>(n * w.cols));
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(c.input.data() + t * w.cols, x + t * x_stride,
+                    static_cast<size_t>(w.cols) * sizeof(float));
+      }
+      c.n = n;
+      c.cols = w.cols;
+      c.packed_stride = packed_stride;
+    }
+    return packed;
+  }
+
   // Items [0, count) in contiguous ranges, one per thread when `parallel`.
   void ParallelRange(int64_t count, bool parallel, absl::FunctionRef<void(int64_t, int64_t)> fn) {
     if (count <= 0) return;
@@ -675,11 +727,21 @@ class CpuDevice final : public Device {
   static thread_local ScratchBuffer pack_scratch_;
   static thread_local std::vector<float> norm_weight_;
   static thread_local std::vector<float> gate_logits_;
+  // The calling thread's last Q8_K-rounded input (PackQ8K); n == 0: none.
+  struct Q8KInput {
+    std::vector<float> input;  // [n, cols]
+    int64_t n = 0;
+    int64_t cols = 0;
+    int64_t packed_stride = 0;
+    ScratchBuffer packed;
+  };
+  static thread_local Q8KInput q8k_input_;
 };
 
 thread_local ScratchBuffer CpuDevice::pack_scratch_;
 thread_local std::vector<float> CpuDevice::norm_weight_;
 thread_local std::vector<float> CpuDevice::gate_logits_;
+thread_local CpuDevice::Q8KInput CpuDevice::q8k_input_;
 
 }  // namespace
 

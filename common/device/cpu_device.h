@@ -21,6 +21,7 @@
 #include "common/device/device.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
+#include "common/ops/cpu/quantized_linear.h"
 
 namespace hmoe {
 
@@ -41,6 +42,11 @@ struct CpuDeviceOptions {
   // never (a token's result must not depend on its batch; see fp8_gemm.h). Setting it otherwise
   // trades that bitwise batch-invariance for speed (results still agree to F32 rounding).
   int64_t fp8_gemm_min_tokens = -1;
+  // Products with GGML block-type weights (GGUF): activations rounded to Q8_K and the integer
+  // kernels of cpu::DefaultQuantGemv() (kQ8K, llama.cpp's numerics), or dequantized weight rows
+  // and F32 dot products (kF32, the reference's numerics; slow). Default: HMOE_QUANT_ACTIVATIONS
+  // (common/ops/cpu/quantized_linear.h), q8k when unset.
+  cpu::QuantActivations quant_activations = cpu::DefaultQuantActivations();
 };
 
 // Never fails.

@@ -25,6 +25,9 @@ struct CpuKernels {
   // FP8 products of at least gemm_min_tokens tokens run on `gemm` (same ISA as `fp8`).
   const cpu::Fp8Gemm* gemm = nullptr;
   int64_t gemm_min_tokens = INT64_MAX;
+  // Non-null: products with a GGML block-type weight round their activations to Q8_K (the packed
+  // rows) and run on these kernels; null: QuantizedLinearRows (dequantized rows, F32 dots).
+  const cpu::QuantGemv* quant = nullptr;
 };
 
 // Runs job(thread, num_threads) on every thread of the device's pool (or on the caller alone).
@@ -41,14 +44,15 @@ cpu::QuantizedMatrixView QuantizedView(const LinearWeight& w);
 // projects (kv_b) nor writes `out`. Device-specific limits are the device's own checks.
 absl::Status CheckMlaAttentionArgs(const MlaAttentionArgs& a, bool partial);
 
-// Bytes of one packed activation row of w.cols elements for `w`'s dtype (0 for F32: the F32 path
-// reads the activations directly).
+// Bytes of one packed activation row of w.cols elements for `w`'s dtype (0 for F32 and for the
+// F32 path of block types: they read the activations directly). Block types with k.quant: the
+// row's Q8_K blocks (Q8KBlocks(w.cols) * sizeof(BlockQ8K), not rounded up).
 int64_t PackedRowBytes(const CpuKernels& k, const LinearWeight& w);
 // Packs rows x[t * x_stride ..+ w.cols] for t < n into packed + t * packed_stride.
 void PackRows(const CpuKernels& k, const LinearWeight& w, const float* x, int64_t x_stride,
               int64_t n, std::byte* packed, int64_t packed_stride);
 // y[t * y_stride + (m - m_begin)] = (W x_t)[m] for t < n and m in [m_begin, m_end), from the
-// packed rows (FP8/BF16) or x itself (F32). Single-threaded.
+// packed rows (FP8/BF16, Q8_K) or x itself (F32). Single-threaded.
 void LinearRows(const CpuKernels& k, const LinearWeight& w, const std::byte* packed,
                 int64_t packed_stride, const float* x, int64_t x_stride, int64_t n, int64_t m_begin,
                 int64_t m_end, float* y, int64_t y_stride);

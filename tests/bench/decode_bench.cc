@@ -19,6 +19,12 @@
 //     prefill rows print frac_of_peak (GFLOP per CPU-second over the register-only peak of the
 //     GEMM's instruction mix measured in the same run)
 //
+// A GGUF model (--model=FILE.gguf, e.g. `hmoe-make-model --preset small --format gguf --quant
+// q4_k_m`) runs the same BM_Decode / BM_Prefill (not the step-runner cases, whose byte count is
+// FP8's); its products with block-type weights follow HMOE_QUANT_ACTIVATIONS (q8k by default,
+// f32 for the dequantize-then-F32 path: run the binary once with each), printed as the label,
+// and the bytes of a step are the GGUF tensors' own.
+//
 // Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
 // --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark
 // prints a note and exits 0.
@@ -47,6 +53,7 @@
 #include "common/engine/weights.h"
 #include "common/kernels/cpu/fp8_gemm.h"
 #include "common/model/checkpoint.h"
+#include "common/model/gguf_source.h"
 #include "common/model/tensor_map.h"
 #include "decode_worker/forward_pass_step_engine.h"
 #include "decode_worker/step_runner.h"
@@ -129,8 +136,25 @@ int64_t NonExpertBytesPerStep(const ModelConfig& c) {
   return bytes;
 }
 
+// The bytes of every tensor a decode step reads in full (all but the routed and shared experts
+// and the embedding table) of a GGUF model, as stored.
+int64_t GgufNonExpertBytes(const WeightSource& source) {
+  int64_t bytes = 0;
+  for (const std::string& name : source.TensorNames()) {
+    if (name.find(".mlp.experts.") != std::string::npos ||
+        name.find(".mlp.shared_experts.") != std::string::npos || name == kEmbedTokensName) {
+      continue;
+    }
+    bytes += static_cast<int64_t>(source.GetTensor(name)->size_bytes);
+  }
+  return bytes;
+}
+
 struct Setup {
-  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<WeightSource> checkpoint;  // a Checkpoint or a GgufCheckpoint
+  ModelConfig config;
+  bool gguf = false;
+  int64_t gguf_non_expert_bytes = 0;
   std::unique_ptr<HugePageWeights> copy;
   std::unique_ptr<bench::HugeBuffer> probe;  // for the adjacent bandwidth measurement
   std::map<int, std::unique_ptr<Device>> devices;
@@ -150,9 +174,19 @@ std::atomic<int64_t> g_step_expert_bytes{0};
 Setup& GetSetup() {
   static Setup* const setup = [] {
     auto* s = new Setup();
-    auto checkpoint = Checkpoint::Open(g_model_dir);
-    HMOE_CHECK_OK(checkpoint.status());
-    s->checkpoint = std::move(*checkpoint);
+    if (IsGgufPath(g_model_dir)) {
+      auto gguf = GgufCheckpoint::Open(g_model_dir);
+      HMOE_CHECK_OK(gguf.status());
+      s->config = (*gguf)->config();
+      s->gguf = true;
+      s->gguf_non_expert_bytes = GgufNonExpertBytes(**gguf);
+      s->checkpoint = std::move(*gguf);
+    } else {
+      auto checkpoint = Checkpoint::Open(g_model_dir);
+      HMOE_CHECK_OK(checkpoint.status());
+      s->config = (*checkpoint)->config();
+      s->checkpoint = std::move(*checkpoint);
+    }
     if (!g_in_place) s->copy = std::make_unique<HugePageWeights>(*s->checkpoint);
     s->probe = std::make_unique<bench::HugeBuffer>(size_t{1} << 30);
     return s;
@@ -169,26 +203,23 @@ Engine& EngineForThreads(int threads) {
     device_options.fp8_gemm_min_tokens = g_gemm_min_tokens;
     s.devices[threads] = NewCpuDevice(device_options);
     if (g_profile) {
-      s.devices[threads] = std::make_unique<bench::ProfilingDevice>(std::move(s.devices[threads]),
-                                                                    s.checkpoint->config());
+      s.devices[threads] =
+          std::make_unique<bench::ProfilingDevice>(std::move(s.devices[threads]), s.config);
     }
     const WeightSource& source =
         s.copy != nullptr ? static_cast<const WeightSource&>(*s.copy) : *s.checkpoint;
     ResidentWeightsOptions weight_options;
     weight_options.moe_parts = pool.num_nodes();
-    auto weights = ResidentWeights::Create(s.checkpoint->config(), source, *s.devices[threads],
-                                           weight_options);
+    auto weights = ResidentWeights::Create(s.config, source, *s.devices[threads], weight_options);
     HMOE_CHECK_OK(weights.status());
     s.weights[threads] = std::move(*weights);
     EngineOptions options;
     options.max_step_tokens = g_step_tokens;
     if (g_profile) options.experts = ExpertPlacement::kDevice;
-    auto engine = Engine::Create(s.checkpoint->config(), *s.weights[threads], *s.devices[threads],
-                                 pool, options);
+    auto engine = Engine::Create(s.config, *s.weights[threads], *s.devices[threads], pool, options);
     HMOE_CHECK_OK(engine.status());
     s.engines[threads] = std::move(*engine);
-    auto cache = KvCache::Create(*s.devices[threads],
-                                 KvCacheConfig::ForModel(s.checkpoint->config(), 64, 64));
+    auto cache = KvCache::Create(*s.devices[threads], KvCacheConfig::ForModel(s.config, 64, 64));
     HMOE_CHECK_OK(cache.status());
     s.caches[threads] = std::move(*cache);
   }
@@ -204,7 +235,7 @@ decode::ForwardPassStepEngine& StepEngineForThreads(int threads) {
     s.step_devices[threads] = NewCpuDevice(device_options);
     const WeightSource& source =
         s.copy != nullptr ? static_cast<const WeightSource&>(*s.copy) : *s.checkpoint;
-    const ModelConfig& c = s.checkpoint->config();
+    const ModelConfig& c = s.config;
     const int64_t h = c.hidden_size;
     const int64_t expert_bytes =
         2 * Fp8Bytes(c.moe_intermediate_size, h) + Fp8Bytes(h, c.moe_intermediate_size);
@@ -301,8 +332,14 @@ void BM_Decode(benchmark::State& state) {
   // The yardstick: the mean of the per-step probes (before/after figures are reported too).
   const double bandwidth = probe_sum / std::max<int64_t>(1, steps);
   const double step_seconds = seconds / std::max<int64_t>(1, steps);
+  const Setup& setup = GetSetup();
   const double bytes_per_step =
-      static_cast<double>(NonExpertBytesPerStep(c)) + static_cast<double>(expert_bytes) / steps;
+      static_cast<double>(setup.gguf ? setup.gguf_non_expert_bytes : NonExpertBytesPerStep(c)) +
+      static_cast<double>(expert_bytes) / steps;
+  if (setup.gguf) {
+    state.SetLabel(absl::StrCat("gguf, activations ",
+                                cpu::QuantActivationsName(cpu::DefaultQuantActivations())));
+  }
   state.counters["tok_per_s"] = batch / step_seconds;
   state.counters["ms_per_step"] = step_seconds * 1e3;
   state.counters["GB_per_step"] = bytes_per_step * 1e-9;
@@ -545,7 +582,9 @@ int main(int argc, char** argv) {
     const char* env = std::getenv("HMOE_BENCH_MODEL");
     if (env != nullptr) hmoe::g_model_dir = env;
   }
-  if (hmoe::g_model_dir.empty() || !std::ifstream(hmoe::g_model_dir + "/config.json").good()) {
+  const bool gguf = hmoe::IsGgufPath(hmoe::g_model_dir);
+  if (hmoe::g_model_dir.empty() ||
+      !std::ifstream(gguf ? hmoe::g_model_dir : hmoe::g_model_dir + "/config.json").good()) {
     std::printf(
         "decode_bench: no model (set HMOE_BENCH_MODEL or --model=DIR to a real-shaped "
         "checkpoint); skipping\n");
@@ -563,6 +602,7 @@ int main(int argc, char** argv) {
   }
   for (int threads : {1, 2}) {
     for (int batch : {1, 2, 4, 6}) {
+      if (gguf) break;  // the step runner's byte count is FP8's
       for (int dual : {0, 1}) {
         benchmark::RegisterBenchmark("BM_DecodeStepRunner", hmoe::BM_DecodeStepRunner)
             ->Args({threads, batch, dual})

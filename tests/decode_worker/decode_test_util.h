@@ -98,8 +98,14 @@ inline absl::StatusOr<GgufReference> MakeGgufReference(const std::string& path) 
   absl::StatusOr<std::unique_ptr<InMemoryWeightSource>> f32 =
       LoadGgufAsF32Weights(r.config, (*gguf)->model());
   if (!f32.ok()) return f32.status();
+  // The served engine rounds the activations of block-quantized weights to Q8_K unless
+  // HMOE_QUANT_ACTIVATIONS=f32 (workers inherit this process's environment): so does the oracle.
+  reference::ReferenceModelOptions options;
+  if (cpu::DefaultQuantActivations() == cpu::QuantActivations::kQ8K) {
+    options.q8k_activation_tensors = BlockQuantizedTensorNames(**gguf);
+  }
   absl::StatusOr<std::unique_ptr<reference::ReferenceModel>> ref =
-      reference::ReferenceModel::Create(r.config, **f32);
+      reference::ReferenceModel::Create(r.config, **f32, options);
   if (!ref.ok()) return ref.status();
   r.model = *std::move(ref);
   return r;
@@ -196,10 +202,11 @@ inline absl::StatusOr<Agreement> CheckAgreement(const reference::ReferenceModel&
 // does not reproduce the worker's tokens (then the exemption would not describe the worker), or
 // flips are not rare (more than one position in five; measured on `small`: 0-11 %, more with
 // longer contexts, since a flipped position's KV perturbs the positions after it).
+// `weights` with `config`: any checkpoint the worker serves (safetensors or a GGUF).
 inline absl::StatusOr<Agreement> CheckAgreementWithRoutingFlips(
-    const Checkpoint& checkpoint, const reference::ReferenceModel& model,
-    const std::vector<int32_t>& prompt, const std::vector<int32_t>& tokens, int64_t chunk_size) {
-  const ModelConfig& config = checkpoint.config();
+    const ModelConfig& config, const WeightSource& checkpoint,
+    const reference::ReferenceModel& model, const std::vector<int32_t>& prompt,
+    const std::vector<int32_t>& tokens, int64_t chunk_size) {
   CpuWorkerPoolOptions pool_options;
   pool_options.num_nodes = 1;
   pool_options.threads_per_node = 2;
@@ -280,6 +287,12 @@ inline absl::StatusOr<Agreement> CheckAgreementWithRoutingFlips(
   Agreement a = Evaluate(*run, tokens, &exempt);
   absl::StrAppend(&a.detail, " (routing flips at ", flips, " of ", positions, " positions)");
   return a;
+}
+inline absl::StatusOr<Agreement> CheckAgreementWithRoutingFlips(
+    const Checkpoint& checkpoint, const reference::ReferenceModel& model,
+    const std::vector<int32_t>& prompt, const std::vector<int32_t>& tokens, int64_t chunk_size) {
+  return CheckAgreementWithRoutingFlips(checkpoint.config(), checkpoint, model, prompt, tokens,
+                                        chunk_size);
 }
 
 }  // namespace hmoe::decode::testing

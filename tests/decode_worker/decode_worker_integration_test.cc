@@ -666,10 +666,16 @@ TEST_F(DecodeWorkerTest, AttachedToWeightdGivesTheSameTokensAsTheCheckpoint) {
 
 // Issue 18 acceptance 2 (decode half): a Q4_K_M GGUF (hmoe-make-model --format gguf --quant
 // q4_k_m) served by hmoe-weightd in its GGUF encoding, a decode worker attached to it: greedy
-// tokens agree with the FP32 reference on the GGUF's dequantized weights under the token
-// agreement rule (with small's stated tolerance on `small`: the quantized path does not round
-// activations to BF16, but its F32 summation order still resolves routing near-ties its own way).
-void GgufThroughWeightdAgreesWithReference(const std::string& preset, float tolerance) {
+// tokens agree with the FP32 reference on the GGUF's dequantized weights, its activations of
+// block-quantized weights rounded to Q8_K as the engine rounds them (MakeGgufReference), under
+// the token agreement rule. On `small` with the routing-flip exemption (decode_test_util.h),
+// as for its FP8 checkpoint: Q8_K rounding is discontinuous, so the engine's F32 summation order
+// (differences ~1e-7) flips a quant now and then (a jump of one quantum, amax/127), and through
+// the layers those flips resolve MoE routing near-ties differently from the reference; measured
+// (64 steps, 2026-11-27): 6 divergent steps with margins 0.006-0.35, against 0 with
+// HMOE_QUANT_ACTIVATIONS=f32 on both sides.
+void GgufThroughWeightdAgreesWithReference(const std::string& preset, float tolerance,
+                                           bool routing_flip_exemption) {
   const std::string dir = g_shared->dir.File(preset + "-gguf");
   absl::StatusOr<std::string> path = testing::WriteGgufPreset(preset, dir);
   ASSERT_TRUE(path.ok()) << path.status();
@@ -697,22 +703,39 @@ void GgufThroughWeightdAgreesWithReference(const std::string& preset, float tole
   EXPECT_EQ(w->Terminate(), 0);
   ASSERT_TRUE(s.status.ok()) << s.status.error_message();
   ASSERT_EQ(s.tokens.size(), static_cast<size_t>(kTokens));
-  auto a = CheckAgreement(*ref->model, prompt, s.tokens);
+  std::unique_ptr<GgufCheckpoint> gguf;
+  if (routing_flip_exemption) {
+    absl::StatusOr<std::unique_ptr<GgufCheckpoint>> opened = GgufCheckpoint::Open(*path);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    gguf = *std::move(opened);
+  }
+  auto a = routing_flip_exemption
+               ? testing::CheckAgreementWithRoutingFlips(ref->config, *gguf, *ref->model, prompt,
+                                                         s.tokens, /*chunk_size=*/8)
+               : CheckAgreement(*ref->model, prompt, s.tokens);
   ASSERT_TRUE(a.ok()) << a.status();
-  EXPECT_TRUE(a->ok(tolerance)) << preset << " GGUF: worst margin " << a->worst_margin_all << ":"
-                                << a->detail;
-  std::printf("[ GGUF via weightd ] %s Q4_K_M: %d of %d steps diverge (worst margin %.3f)%s\n",
-              preset.c_str(), a->divergences, a->steps, a->worst_margin_all, a->detail.c_str());
+  if (routing_flip_exemption) {
+    EXPECT_TRUE(a->ok()) << preset << " GGUF:" << a->detail;
+    EXPECT_LT(a->worst_margin_all, tolerance) << preset << " GGUF:" << a->detail;
+  } else {
+    EXPECT_TRUE(a->ok(tolerance)) << preset << " GGUF: worst margin " << a->worst_margin_all << ":"
+                                  << a->detail;
+  }
+  std::printf(
+      "[ GGUF via weightd ] %s Q4_K_M: %d of %d steps diverge, %d of them exempt (worst margin "
+      "%.3f)%s\n",
+      preset.c_str(), a->divergences + a->exempt, a->steps, a->exempt, a->worst_margin_all,
+      a->detail.c_str());
   EXPECT_EQ(weightd->Terminate(30s).value_or(-1), 0) << weightd->ReadStderr();
   (void)shm::RemoveInstance(instance);
 }
 
 TEST_F(DecodeWorkerTest, TinyGgufThroughWeightdAgreesWithTheReferenceOnItsDequantizedWeights) {
-  GgufThroughWeightdAgreesWithReference("tiny", testing::kMarginTolerance);
+  GgufThroughWeightdAgreesWithReference("tiny", testing::kMarginTolerance, false);
 }
 
 TEST_F(DecodeWorkerTest, SmallGgufThroughWeightdAgreesWithTheReferenceOnItsDequantizedWeights) {
-  GgufThroughWeightdAgreesWithReference("small", testing::kSmallMarginTolerance);
+  GgufThroughWeightdAgreesWithReference("small", testing::kSmallMarginTolerance, true);
 }
 
 // A router's registry that records what workers send.

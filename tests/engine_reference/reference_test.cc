@@ -172,8 +172,10 @@ std::unique_ptr<InMemoryWeightSource> MakeSource(const std::vector<NamedTensor>&
 
 std::unique_ptr<ReferenceModel> MakeModel(const ModelConfig& config, const WeightSource& source,
                                           MlaForm form = MlaForm::kAbsorbed) {
+  ReferenceModelOptions options;
+  options.mla_form = form;
   absl::StatusOr<std::unique_ptr<ReferenceModel>> model =
-      ReferenceModel::Create(config, source, {.mla_form = form});
+      ReferenceModel::Create(config, source, options);
   EXPECT_TRUE(model.ok()) << model.status();
   return model.ok() ? *std::move(model) : nullptr;
 }
@@ -234,6 +236,37 @@ TEST(ReferenceOpsTest, LinearIsRowMajorMatrixTimesVector) {
   std::vector<float> y(2);
   Linear(w, 2, 3, std::vector<float>{1, -1, 2}, y);
   EXPECT_THAT(y, ElementsAre(5.0f, 0.0f));
+}
+
+TEST(ReferenceOpsTest, RoundToQ8KFollowsItsDefinition) {
+  // One block with amax 127: d = 1, q = x rounded half to even (2.5 -> 2, -3.5 -> -4, 0.5 -> 0).
+  std::vector<float> x = {127.0f, 2.5f, -3.5f, 0.5f, 1.49f, -127.0f};
+  EXPECT_THAT(RoundToQ8K(x), ElementsAre(127.0, 2.0, -4.0, 0.0, 1.0, -127.0));
+  // amax 254: d = 2, q = round(x / 2); an all-zero block stays zero; blocks of 256 values each
+  // have their own scale (the second block here: amax 0.5, d = 0.5 / 127).
+  std::vector<float> y(300, 0.0f);
+  y[0] = 254.0f;
+  y[1] = 3.0f;  // 1.5 -> 2 -> 4
+  y[2] = 5.0f;  // 2.5 -> 2 -> 4
+  y[256] = 0.5f;
+  y[257] = -0.25f;  // -63.5 -> -64
+  const std::vector<double> r = RoundToQ8K(y);
+  EXPECT_EQ(r[0], 254.0);
+  EXPECT_EQ(r[1], 4.0);
+  EXPECT_EQ(r[2], 4.0);
+  EXPECT_EQ(r[3], 0.0);
+  const double d = static_cast<double>(0.5f / 127.0f);
+  EXPECT_EQ(r[256], d * 127.0);
+  EXPECT_EQ(r[257], d * -64.0);
+  EXPECT_EQ(RoundToQ8K(std::vector<float>(10, 0.0f)), std::vector<double>(10, 0.0));
+}
+
+TEST(ReferenceOpsTest, LinearQ8KIsTheProductWithTheRoundedActivation) {
+  const std::vector<float> w = {1, 2, 3, -1, 0.5f, 0.25f};  // [2, 3]
+  const std::vector<float> x = {127.0f, 2.5f, -0.4f};       // rounds to 127, 2, 0
+  std::vector<float> y(2);
+  LinearQ8K(w, 2, 3, x, y);
+  EXPECT_THAT(y, ElementsAre(131.0f, -126.0f));
 }
 
 TEST(ReferenceOpsTest, SiluMatchesHandComputedValues) {

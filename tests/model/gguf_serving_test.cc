@@ -1,19 +1,22 @@
 // Serving GGUF models (issue 18): GgufCheckpoint (the tensors under our names in their GGUF
 // encoding, experts sliced in place, kv_b_proj dequantized), the CPU device's ops on GGML block
-// types against dequantize-then-F32 (Linear, EmbeddingGather, MoeGate), and the resident weights
-// the engine binds from a GGUF.
+// types (Linear with Q8_K activations against an independent oracle, and with F32 activations
+// against dequantize-then-F32; EmbeddingGather, MoeGate), and the resident weights the engine
+// binds from a GGUF.
 
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/device/cpu_device.h"
+#include "common/engine/reference/reference_ops.h"
 #include "common/engine/weights.h"
 #include "common/model/dtype.h"
 #include "common/model/gguf_model.h"
@@ -174,13 +177,89 @@ LinearWeight View(DType dtype, const void* data, int64_t rows, int64_t cols) {
   return lw;
 }
 
+// The offset parts b of a block type's dequantized weights (w = a - b: Q4_K/Q5_K dmin*m, Q6_K
+// 32*d*sc, Q5_0 16*d; Q8_0 none), as |b| per weight: the blocks dequantized with every quant bit
+// cleared give -b. Byte ranges of the quant fields (MODEL-SPEC 5.4).
+std::vector<float> OffsetMagnitudes(DType dtype, const std::vector<std::byte>& bytes, int64_t n) {
+  struct Range {
+    int64_t begin, end;
+  };
+  std::vector<Range> quants;
+  int64_t block_bytes = 0;
+  switch (dtype) {
+    case DType::kQ8_0:
+      block_bytes = 34, quants = {{2, 34}};
+      break;
+    case DType::kQ5_0:
+      block_bytes = 22, quants = {{2, 22}};
+      break;
+    case DType::kQ4_K:
+      block_bytes = 144, quants = {{16, 144}};
+      break;
+    case DType::kQ5_K:
+      block_bytes = 176, quants = {{16, 176}};
+      break;
+    case DType::kQ6_K:
+      block_bytes = 210, quants = {{0, 192}};
+      break;
+    default:
+      ADD_FAILURE() << "no block type";
+      return {};
+  }
+  std::vector<std::byte> cleared = bytes;
+  for (size_t b = 0; b < cleared.size(); b += static_cast<size_t>(block_bytes)) {
+    for (const Range& r : quants) {
+      std::fill(cleared.begin() + b + r.begin, cleared.begin() + b + r.end, std::byte{0});
+    }
+  }
+  std::vector<float> out(static_cast<size_t>(n));
+  EXPECT_TRUE(
+      DequantizeGgml(static_cast<uint32_t>(GgmlTypeIdOf(dtype)), cleared.data(), n, out.data())
+          .ok());
+  for (float& v : out) v = std::fabs(v);
+  return out;
+}
+
+// Whether the kernel's product y of a weight row and a Q8_K-rounded activation is the exact
+// product of the dequantized weights and the dequantized activation x8 (reference::RoundToQ8K,
+// which shares no code with the kernels) within the kernels' bound. quant_gemv.h: the integer
+// parts are exact, F32 rounds the block scale product d_w * d_x, the conversions and the block
+// sums: (cols/32 + 8) * u * S with u = 2^-24 and S = sum (|a| + |b|) * |x8| over the row (a, b:
+// the quant and offset parts of each weight, w = a - b, |a| + |b| <= |w| + 2|b|); the oracle's
+// own F32 dequantization (d*sc, *q, -m: at most 3 roundings of |a| + |b| per weight, as in
+// tests/kernels/quant_gemv_test.cc) adds 4 * u * S: tolerance (cols/32 + 12) * u * S.
+void ExpectQ8KProduct(const std::vector<float>& w_values, const std::vector<float>& offsets,
+                      int64_t rows, int64_t cols, const std::vector<float>& x, int64_t n,
+                      const std::vector<float>& y, const std::string& what) {
+  for (int64_t t = 0; t < n; ++t) {
+    const std::vector<double> x8 =
+        reference::RoundToQ8K(std::span<const float>(x.data() + t * cols, cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      double exact = 0, s = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double wv = w_values[r * cols + c];
+        exact += wv * x8[c];
+        s += (std::fabs(wv) + 2.0 * offsets[r * cols + c]) * std::fabs(x8[c]);
+      }
+      const double tolerance = (cols / 32.0 + 12.0) * std::ldexp(1.0, -24) * s;
+      ASSERT_NEAR(y[t * rows + r], exact, tolerance) << what << " token " << t << " row " << r;
+    }
+  }
+}
+
 class QuantizedOpsTest : public ::testing::TestWithParam<DType> {};
 
-TEST_P(QuantizedOpsTest, LinearGatherAndGateMatchTheDequantizedWeightInF32) {
+TEST_P(QuantizedOpsTest, LinearGatherAndGateMatchTheirOracles) {
   const DType dtype = GetParam();
   const int64_t rows = 40, cols = 512, n = 11;  // n > 8: the prefill-sized batches too
   const QuantWeight w = MakeWeight(dtype, rows, cols, 7);
-  std::unique_ptr<Device> dev = NewCpuDevice();
+  CpuDeviceOptions f32_options;
+  f32_options.quant_activations = cpu::QuantActivations::kF32;
+  std::unique_ptr<Device> f32_dev = NewCpuDevice(f32_options);
+  CpuDeviceOptions q8k_options;
+  q8k_options.quant_activations = cpu::QuantActivations::kQ8K;
+  std::unique_ptr<Device> q8k_dev = NewCpuDevice(q8k_options);
+  std::unique_ptr<Device>& dev = f32_dev;
   auto stream = dev->CreateStream();
   ASSERT_TRUE(stream.ok());
   std::mt19937 rng(3);
@@ -188,8 +267,8 @@ TEST_P(QuantizedOpsTest, LinearGatherAndGateMatchTheDequantizedWeightInF32) {
   std::vector<float> x(static_cast<size_t>(n * cols));
   for (float& v : x) v = normal(rng);
 
-  // Linear: within the F32 rounding of a dot product of the dequantized row (bound: cols * eps
-  // times sum |w x|, a loose form of the summation error bound).
+  // Linear with F32 activations: within the F32 rounding of a dot product of the dequantized row
+  // (bound: cols * eps times sum |w x|, a loose form of the summation error bound).
   std::vector<float> y(static_cast<size_t>(n * rows), NAN);
   ASSERT_TRUE(dev->Linear(**stream, View(dtype, w.bytes.data(), rows, cols), x.data(), cols, n,
                           y.data(), rows)
@@ -205,6 +284,31 @@ TEST_P(QuantizedOpsTest, LinearGatherAndGateMatchTheDequantizedWeightInF32) {
       ASSERT_NEAR(y[t * rows + r], exact, cols * 1.2e-7 * magnitude + 1e-30)
           << DTypeName(dtype) << " token " << t << " row " << r;
     }
+  }
+
+  // Linear with Q8_K activations (the default for block types; F16 has no kernel and keeps the
+  // F32 path): every batch size through MatVec (n <= 8) and GemmRows, and a second product of
+  // the same input bytes (reused blocks), then of changed bytes at the same address (not reused).
+  if (IsBlockDType(dtype)) {
+    const std::vector<float> offsets = OffsetMagnitudes(dtype, w.bytes, rows * cols);
+    const LinearWeight lw = View(dtype, w.bytes.data(), rows, cols);
+    for (int64_t tokens : {int64_t{1}, int64_t{3}, n}) {
+      std::vector<float> yq(static_cast<size_t>(tokens * rows), NAN);
+      ASSERT_TRUE(q8k_dev->Linear(**stream, lw, x.data(), cols, tokens, yq.data(), rows).ok());
+      ExpectQ8KProduct(w.values, offsets, rows, cols, x, tokens, yq,
+                       std::string(DTypeName(dtype)) + " q8k n=" + std::to_string(tokens));
+      std::vector<float> again(yq.size(), NAN);
+      ASSERT_TRUE(q8k_dev->Linear(**stream, lw, x.data(), cols, tokens, again.data(), rows).ok());
+      EXPECT_EQ(again, yq) << "the same input twice";
+    }
+    std::vector<float> x2 = x;
+    std::vector<float> y1(static_cast<size_t>(rows), NAN), y2(y1.size(), NAN);
+    ASSERT_TRUE(q8k_dev->Linear(**stream, lw, x2.data(), cols, 1, y1.data(), rows).ok());
+    x2[cols - 1] += 3.0f;  // the last block's scale and quants change
+    ASSERT_TRUE(q8k_dev->Linear(**stream, lw, x2.data(), cols, 1, y2.data(), rows).ok());
+    ExpectQ8KProduct(w.values, offsets, rows, cols, x2, 1, y2,
+                     std::string(DTypeName(dtype)) + " q8k, input changed in place");
+    EXPECT_NE(y1, y2);
   }
 
   // EmbeddingGather: the dequantized rows exactly.

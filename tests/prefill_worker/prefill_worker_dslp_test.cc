@@ -50,10 +50,25 @@ using testing::Process;
 constexpr char kPrefillWorker[] = HMOE_PREFILL_WORKER_PATH;
 constexpr char kDecodeWorker[] = HMOE_DECODE_WORKER_PATH;
 constexpr double kKvRelTolerance = 0.02;  // as tests/dslp/dslp_test.cc
-constexpr int kDecodeSteps = 32;          // greedy tokens after the first
+// The GGUF cases with Q8_K activations (the default; docs/gguf.md "Numerics of a served GGUF"):
+// kKvRelTolerance is sized for the FP8 path's BF16 activations, whose rounding noise is about
+// 2^-9 |x| / sqrt(3) (0.11 % of a value); Q8_K's is d / sqrt(12) with d = amax / 127 per 256
+// values, about 0.64 % of the values' RMS for Gaussian-like activations (amax ~ 2.8 RMS): 5.7x.
+// The summation-order differences of DSLP's merged attention flip Q8_K quants (one quantum each)
+// where they flipped BF16 roundings, so the same comparison gets a 5.7x wider row tolerance
+// (measured on small_gguf, N = 101: rows up to 0.057 of the layer RMS outside routing flips).
+// A wrong expert, token or rank still moves a row by O(1). Routing flips happen at router
+// near-ties closer than that noise, so their expected number grows by the same factor:
+// MaxRoutingFlips allows 5.7x the rate there (measured: 7 of 101 tokens, rows 0.27-0.48 from
+// layers 5-7).
+constexpr double kQ8KNoiseRatio = 5.7;
+constexpr double kKvRelToleranceQ8K = 0.02 * kQ8KNoiseRatio;
+constexpr int kDecodeSteps = 32;  // greedy tokens after the first
 constexpr int kMaxWorkers = 3;
 
-int MaxRoutingFlips(int64_t tokens) { return 2 + static_cast<int>(tokens / 50); }
+int MaxRoutingFlips(int64_t tokens, bool q8k = false) {
+  return 2 + static_cast<int>(static_cast<double>(tokens) / 50 * (q8k ? 5.7 : 1.0));
+}
 
 // Per preset: the model and its reference, kMaxWorkers prefill workers and a decode worker.
 struct Stack {
@@ -198,20 +213,23 @@ TEST_P(PrefillWorkerDslpTest, MatchesSingleWorkerSlpAndTheDecodeWorkerContinuesI
   auto dslp_kv = ReadHandOff(env, r0);
   ASSERT_TRUE(dslp_kv.ok()) << dslp_kv.status();
   ASSERT_EQ(dslp_kv->size(), slp_kv->size());
+  const bool q8k =
+      c.preset.ends_with("-gguf") && cpu::DefaultQuantActivations() == cpu::QuantActivations::kQ8K;
+  const double kv_tolerance = q8k ? kKvRelToleranceQ8K : kKvRelTolerance;
+  const int max_flips = MaxRoutingFlips(c.prompt_len, q8k);
   const dslp_test::KvRowSummary kv = dslp_test::SummarizeKvRows(
-      *dslp_kv, *slp_kv, config.num_hidden_layers, c.prompt_len, kKvRelTolerance);
+      *dslp_kv, *slp_kv, config.num_hidden_layers, c.prompt_len, kv_tolerance);
   std::string beyond;
   for (const dslp_test::KvRowSummary::Beyond& b : kv.beyond) {
     absl::StrAppendFormat(&beyond, " [token %d: %.3f from layer %d]", b.token, b.error, b.layer);
   }
   EXPECT_EQ(kv.layer_max[0], 0.0) << "layer 0's KV is computed by the same per-token ops";
-  EXPECT_LE(static_cast<int>(kv.beyond.size()), MaxRoutingFlips(c.prompt_len))
-      << beyond << kv.LayerMaxima();
+  EXPECT_LE(static_cast<int>(kv.beyond.size()), max_flips) << beyond << kv.LayerMaxima();
   std::printf(
       "[ DSLP workers ] %s: first token %d (SLP %d); KV rows within %.2g: worst %.2e, %zu token(s) "
       "beyond (routing flips, at most %d):%s%s\n",
-      id.c_str(), r0.first_token_id(), slp.first_token_id(), kKvRelTolerance, kv.worst_within,
-      kv.beyond.size(), MaxRoutingFlips(c.prompt_len), beyond.c_str(), kv.LayerMaxima().c_str());
+      id.c_str(), r0.first_token_id(), slp.first_token_id(), kv_tolerance, kv.worst_within,
+      kv.beyond.size(), max_flips, beyond.c_str(), kv.LayerMaxima().c_str());
 
   // The decode worker continues from the DSLP hand-off; then the export is released.
   decode::v1::AdmitRequest admit = testing::HandOff(id, prompt, r0);

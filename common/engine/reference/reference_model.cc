@@ -103,6 +103,7 @@ absl::StatusOr<ReferenceModel::Matrix> ReferenceModel::LoadMatrix(const WeightSo
   Matrix m;
   m.rows = rows;
   m.cols = cols;
+  m.q8k_input = options_.q8k_activation_tensors.count(name) > 0;
   HMOE_ASSIGN_OR_RETURN(m.data, DequantizeToFloat(w));
   if (static_cast<int64_t>(m.data.size()) != rows * cols) {
     return absl::InternalError(absl::StrCat("tensor ", name, ": dequantized to ", m.data.size(),
@@ -219,6 +220,27 @@ absl::Status ReferenceModel::Load(const WeightSource& weights) {
 
 // ---------------------------------------------------------------------------------- forward
 
+void ReferenceModel::Apply(const Matrix& w, std::span<const float> x, std::span<float> y) {
+  if (w.q8k_input) {
+    LinearQ8K(w.data, w.rows, w.cols, x, y);
+  } else {
+    Linear(w.data, w.rows, w.cols, x, y);
+  }
+}
+
+void ReferenceModel::RunMlp(const Mlp& mlp, int64_t hidden, int64_t inter, std::span<const float> x,
+                            std::span<float> y) {
+  if (!mlp.gate.q8k_input && !mlp.up.q8k_input && !mlp.down.q8k_input) {
+    SwiGluMlp(mlp.gate.data, mlp.up.data, mlp.down.data, hidden, inter, x, y);
+    return;
+  }
+  std::vector<float> g(inter), u(inter);
+  Apply(mlp.gate, x, g);
+  Apply(mlp.up, x, u);
+  for (int64_t i = 0; i < inter; ++i) g[i] = Silu(g[i]) * u[i];
+  Apply(mlp.down, g, y);
+}
+
 void ReferenceModel::Attention(int64_t layer_index, std::span<const float> x, int64_t n,
                                int64_t start_pos, ReferenceKvCache& cache,
                                std::span<float> out) const {
@@ -246,11 +268,11 @@ void ReferenceModel::Attention(int64_t layer_index, std::span<const float> x, in
     if (c.q_lora_rank.has_value()) {
       const int64_t rq = *c.q_lora_rank;
       std::vector<float> cq(rq);
-      Linear(layer.q_a.data, rq, hidden, xt, cq);
+      Apply(layer.q_a, xt, cq);
       RmsNorm(cq, layer.q_a_norm.data, kLatentNormEps, cq);
-      Linear(layer.q_b.data, nh * dq, rq, cq, q);
+      Apply(layer.q_b, cq, q);
     } else {
-      Linear(layer.q.data, nh * dq, hidden, xt, q);
+      Apply(layer.q, xt, q);
     }
     for (int64_t h = 0; h < nh; ++h) {
       std::copy_n(q.begin() + h * dq, dn, q_nope.begin() + (t * nh + h) * dn);
@@ -261,7 +283,7 @@ void ReferenceModel::Attention(int64_t layer_index, std::span<const float> x, in
 
     // Keys: the normalized latent c and the single rotated rope key, appended to the cache.
     std::vector<float> kva(rkv + dr);
-    Linear(layer.kv_a.data, rkv + dr, hidden, xt, kva);
+    Apply(layer.kv_a, xt, kva);
     std::span<float> c_kv(kva.data(), rkv);
     RmsNorm(c_kv, layer.kv_a_norm.data, kLatentNormEps, c_kv);
     std::span<float> rope_key(kva.data() + rkv, dr);
@@ -279,9 +301,8 @@ void ReferenceModel::Attention(int64_t layer_index, std::span<const float> x, in
   }
   const int64_t head_width = nh * c.v_head_dim;
   for (int64_t t = 0; t < n; ++t) {
-    Linear(layer.o.data, hidden, head_width,
-           std::span<const float>(heads).subspan(t * head_width, head_width),
-           out.subspan(t * hidden, hidden));
+    Apply(layer.o, std::span<const float>(heads).subspan(t * head_width, head_width),
+          out.subspan(t * hidden, hidden));
   }
 }
 
@@ -290,8 +311,7 @@ void ReferenceModel::FeedForward(int64_t layer_index, std::span<const float> x,
   const Layer& layer = layers_[layer_index];
   const int64_t hidden = config_.hidden_size;
   if (!layer.is_moe) {
-    SwiGluMlp(layer.dense.gate.data, layer.dense.up.data, layer.dense.down.data, hidden,
-              config_.intermediate_size, x, out);
+    RunMlp(layer.dense, hidden, config_.intermediate_size, x, out);
     return;
   }
   std::vector<float> router_logits(config_.n_routed_experts);
@@ -303,13 +323,11 @@ void ReferenceModel::FeedForward(int64_t layer_index, std::span<const float> x,
   std::vector<float> y(hidden);
   for (size_t k = 0; k < gate.experts.size(); ++k) {
     const Mlp& expert = layer.experts[gate.experts[k]];
-    SwiGluMlp(expert.gate.data, expert.up.data, expert.down.data, hidden,
-              config_.moe_intermediate_size, x, y);
+    RunMlp(expert, hidden, config_.moe_intermediate_size, x, y);
     for (int64_t i = 0; i < hidden; ++i) acc[i] += static_cast<double>(gate.weights[k]) * y[i];
   }
   if (layer.has_shared) {
-    SwiGluMlp(layer.shared.gate.data, layer.shared.up.data, layer.shared.down.data, hidden,
-              config_.moe_intermediate_size * config_.n_shared_experts, x, y);
+    RunMlp(layer.shared, hidden, config_.moe_intermediate_size * config_.n_shared_experts, x, y);
     for (int64_t i = 0; i < hidden; ++i) acc[i] += y[i];
   }
   for (int64_t i = 0; i < hidden; ++i) out[i] = static_cast<float>(acc[i]);
@@ -380,8 +398,7 @@ absl::StatusOr<std::vector<float>> ReferenceModel::Forward(std::span<const int32
   for (int64_t t = 0; t < n; ++t) {
     std::span<float> nt = std::span<float>(normed).subspan(t * hidden, hidden);
     RmsNorm(std::span<const float>(h).subspan(t * hidden, hidden), final_norm_.data, eps, nt);
-    Linear(lm_head_.data, c.vocab_size, hidden, nt,
-           std::span<float>(logits).subspan(t * c.vocab_size, c.vocab_size));
+    Apply(lm_head_, nt, std::span<float>(logits).subspan(t * c.vocab_size, c.vocab_size));
   }
   return logits;
 }

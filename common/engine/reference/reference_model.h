@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -27,6 +29,12 @@ enum class MlaForm {
 
 struct ReferenceModelOptions {
   MlaForm mla_form = MlaForm::kAbsorbed;
+  // Weights (by name) whose products take their activation rounded to Q8_K (LinearQ8K): the
+  // block-quantized weights of a GGUF model, as the served engine computes them by default
+  // (docs/gguf.md, "Numerics"). Applies to the projections and MLPs (q_a, q_b, q, kv_a, o,
+  // gate/up/down of dense, routed and shared experts, lm_head; a tied lm_head follows the
+  // embedding's entry), never to the router or kv_b (the engine reads those in F32).
+  std::set<std::string> q8k_activation_tensors;
 };
 
 // The per-layer latent KV cache of one sequence: for every cached token and layer, the normalized
@@ -98,6 +106,7 @@ class ReferenceModel {
     std::vector<float> data;  // row-major [rows, cols]; 1-D weights have rows == 1
     int64_t rows = 0;
     int64_t cols = 0;
+    bool q8k_input = false;  // named in Options::q8k_activation_tensors
   };
   struct Mlp {
     Matrix gate, up, down;
@@ -124,6 +133,12 @@ class ReferenceModel {
   absl::StatusOr<Mlp> LoadMlp(const WeightSource& weights, const std::string& gate_name,
                               const std::string& up_name, const std::string& down_name,
                               int64_t inter) const;
+
+  // y = W x (Linear, or LinearQ8K for a q8k_input weight).
+  static void Apply(const Matrix& w, std::span<const float> x, std::span<float> y);
+  // SwiGLU MLP through Apply (SwiGluMlp when no weight is q8k_input).
+  static void RunMlp(const Mlp& mlp, int64_t hidden, int64_t inter, std::span<const float> x,
+                     std::span<float> y);
 
   // One decoder layer's attention for the n tokens in `x` ([n, H], normalized input); appends the
   // new cache rows of `layer` and writes [n, H] to `out`.

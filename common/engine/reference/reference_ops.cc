@@ -71,6 +71,46 @@ void Linear(std::span<const float> w, int64_t out_dim, int64_t in_dim, std::span
   }
 }
 
+std::vector<double> RoundToQ8K(std::span<const float> x) {
+  constexpr size_t kBlock = 256;
+  std::vector<double> out(x.size(), 0.0);
+  for (size_t begin = 0; begin < x.size(); begin += kBlock) {
+    const size_t end = std::min(x.size(), begin + kBlock);
+    float amax = 0.0f;
+    for (size_t i = begin; i < end; ++i) {
+      HMOE_CHECK(std::isfinite(x[i])) << "RoundToQ8K: value " << i << " is not finite";
+      if (std::fabs(x[i]) > amax) amax = std::fabs(x[i]);
+    }
+    if (amax == 0.0f) continue;
+    const float d = amax / 127.0f;
+    const float inverse = 127.0f / amax;
+    for (size_t i = begin; i < end; ++i) {
+      const float scaled = x[i] * inverse;
+      // Round half to even, by hand (no dependence on the FP rounding mode).
+      double q = std::floor(static_cast<double>(scaled));
+      const double frac = static_cast<double>(scaled) - q;
+      if (frac > 0.5 || (frac == 0.5 && std::fmod(q, 2.0) != 0.0)) q += 1.0;
+      q = std::clamp(q, -127.0, 127.0);
+      out[i] = static_cast<double>(d) * q;  // exact: a float times an integer below 2^7
+    }
+  }
+  return out;
+}
+
+void LinearQ8K(std::span<const float> w, int64_t out_dim, int64_t in_dim, std::span<const float> x,
+               std::span<float> y) {
+  HMOE_CHECK(static_cast<int64_t>(w.size()) == out_dim * in_dim)
+      << "w.size()=" << w.size() << " out=" << out_dim << " in=" << in_dim;
+  HMOE_CHECK(static_cast<int64_t>(x.size()) == in_dim);
+  HMOE_CHECK(static_cast<int64_t>(y.size()) == out_dim);
+  const std::vector<double> x8 = RoundToQ8K(x);
+  for (int64_t o = 0; o < out_dim; ++o) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < in_dim; ++i) sum += static_cast<double>(w[o * in_dim + i]) * x8[i];
+    y[o] = static_cast<float>(sum);
+  }
+}
+
 float Silu(float z) {
   return static_cast<float>(static_cast<double>(z) / (1.0 + std::exp(-static_cast<double>(z))));
 }

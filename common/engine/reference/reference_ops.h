@@ -26,6 +26,21 @@ void RmsNorm(std::span<const float> x, std::span<const float> weight, float eps,
 void Linear(std::span<const float> w, int64_t out_dim, int64_t in_dim, std::span<const float> x,
             std::span<float> y);
 
+// ---------------------------------------------------------------------------------- Q8_K
+
+// The Q8_K rounding of an activation vector (GGUF models: a product with a block-quantized
+// weight takes its activation in Q8_K, as llama.cpp does; MODEL-SPEC §5.4, docs/gguf.md). Per
+// block of 256 values (the last one shorter): amax = max |x| (float); amax == 0 gives zeros;
+// else d = amax / 127 and q = round-half-even(x * (127 / amax)), both in float, |q| <= 127; the
+// value is d * q, returned exactly (in double). Written from that definition alone: it shares
+// no code with the kernels' quantizer (common/kernels/cpu/quant_gemv.h). x must be finite.
+std::vector<double> RoundToQ8K(std::span<const float> x);
+
+// y = W x8 with x8 = RoundToQ8K(x), summed in double (the product the served GGUF engine
+// computes for a block-quantized W, up to its F32 roundings). Same shapes as Linear.
+void LinearQ8K(std::span<const float> w, int64_t out_dim, int64_t in_dim, std::span<const float> x,
+               std::span<float> y);
+
 // silu(z) = z / (1 + e^-z).
 float Silu(float z);
 
