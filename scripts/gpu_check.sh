@@ -3,7 +3,8 @@
 # CUDA, the GPU benchmark and the deployed stack on --gpus 1, and writes one report.
 #
 #   scripts/gpu_check.sh [run] [--build DIR] [--bundle FILE] [--report DIR] [--quick]
-#                        [--no-bench] [--no-stack] [--no-slp] [--slp-tokens "N ..."] [--no-build]
+#                        [--no-bench] [--bench-args "ARGS"] [--no-stack] [--no-slp] [--no-slp-cpu]
+#                        [--slp-tokens "N ..."] [--no-build]
 #       Builds the CUDA configuration in DIR (default build/gpu-check), or, with --bundle, unpacks
 #       a bundle made by `pack` to the build path it was packed from (the test binaries embed
 #       it) and runs from there. Writes DIR/report.md (or --report DIR) and exits non-zero when
@@ -40,6 +41,8 @@ STACK=1
 BENCH=1
 NO_BUILD=0
 SLP=1
+SLP_CPU=1
+BENCH_ARGS=""
 SLP_TOKENS="1024 4096 16384"
 GPUS="${HMOE_GPU_CHECK_GPUS:-1}"  # 0 runs the stack check on the CPU (to test this script)
 while [[ $# -gt 0 ]]; do
@@ -53,6 +56,8 @@ while [[ $# -gt 0 ]]; do
     --no-bench) BENCH=0; shift ;;
     --no-build) NO_BUILD=1; shift ;;
     --no-slp) SLP=0; shift ;;
+    --no-slp-cpu) SLP_CPU=0; shift ;;
+    --bench-args) BENCH_ARGS="$2"; shift 2 ;;
     --slp-tokens) SLP_TOKENS="$2"; shift 2 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -193,7 +198,7 @@ say "tests: $(grep -c ' PASS ' "$REPORT/tests.txt" || true) binaries passed, $fa
 if [[ $BENCH == 1 ]]; then
   if [[ -x "$BUILD/tests/bench/hmoe_gpu_bench" ]]; then
     say "GPU benchmark"
-    if (cd "$BUILD" && timeout 300 ./tests/bench/hmoe_gpu_bench --json "$REPORT/gpu_bench.json" \
+    if (cd "$BUILD" && timeout 300 ./tests/bench/hmoe_gpu_bench --json "$REPORT/gpu_bench.json" $BENCH_ARGS \
           >"$REPORT/gpu_bench.txt" 2>&1); then
       echo "hmoe_gpu_bench PASS" >>"$REPORT/steps.txt"
     else
@@ -313,11 +318,14 @@ if [[ $SLP == 1 ]] && command -v supervisord >/dev/null; then
   fi
   if [[ -f "$rs/config.json" ]]; then
     max=0
-    for n in $SLP_TOKENS; do ((n > max)) && max=$n; done
+    for n in $SLP_TOKENS; do if ((n > max)); then max=$n; fi; done
     # shellcheck disable=SC2086
     slp_one "$rs" 1 "--max-prompt-tokens=$max" $SLP_TOKENS >>"$REPORT/steps.txt" 2>&1 || failed=$((failed + 1))
     first=${SLP_TOKENS%% *}
-    slp_one "$rs" 0 "--max-prompt-tokens=$first" "$first" >>"$REPORT/steps.txt" 2>&1 || failed=$((failed + 1))
+    if [[ $SLP_CPU == 1 ]]; then
+      slp_one "$rs" 0 "--max-prompt-tokens=$first" "$first" >>"$REPORT/steps.txt" 2>&1 ||
+        failed=$((failed + 1))
+    fi
   fi
 fi
 touch "$REPORT/steps.txt"
