@@ -598,12 +598,23 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
     args.kv_b.scale_inv = Gpu(kv_b.scales);
     args.cache.base = Gpu(pool);
     args.block_tables = Gpu(tables);
+    // The GPU attention in both forms (HMOE_CUDA_MLA_ATTENTION): "tiles" computes each (row,
+    // head) exactly as MlaAttentionPartial does (checks 2 and 3 rely on that: they project the
+    // partial op's u); "gemm" (the default) sums in another order, checked end to end below
+    // (check 4) with a bound that allows for that.
     float* out = Gpu(std::vector<float>(rows * out_stride));
     args.out = out;
+    ASSERT_EQ(::setenv("HMOE_CUDA_MLA_ATTENTION", "tiles", 1), 0);
     ASSERT_TRUE((decode ? gpu_->MlaDecodeAttention(*gpu_stream_, args)
                         : gpu_->MlaPrefillAttention(*gpu_stream_, args))
                     .ok());
     const std::vector<float> got = FromGpu(out, rows * out_stride);
+    ASSERT_EQ(::setenv("HMOE_CUDA_MLA_ATTENTION", "gemm", 1), 0);
+    ASSERT_TRUE((decode ? gpu_->MlaDecodeAttention(*gpu_stream_, args)
+                        : gpu_->MlaPrefillAttention(*gpu_stream_, args))
+                    .ok());
+    const std::vector<float> got_gemm = FromGpu(out, rows * out_stride);
+    ASSERT_EQ(::unsetenv("HMOE_CUDA_MLA_ATTENTION"), 0);
     float* gpu_u_dev = Gpu(std::vector<float>(rows * nh * rkv));
     float* gpu_lse_dev = Gpu(std::vector<float>(rows * nh));
     ASSERT_TRUE(gpu_->MlaAttentionPartial(*gpu_stream_, args, {gpu_u_dev, gpu_lse_dev, true}).ok());
@@ -621,6 +632,7 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
 
     const double scale = args.dims.softmax_scale;
     double worst_u = 0.0, worst_proj = 0.0, worst_end = 0.0;  // largest |difference| / bound
+    double worst_gemm = 0.0;
     double max_end_diff = 0.0;
     for (const MlaSegment& seg : segments) {
       for (int64_t qi = 0; qi < seg.num_queries; ++qi) {
@@ -675,10 +687,20 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
               std::expm1(2 * r) + 2 * Gamma(static_cast<double>(nk) + tiles + 2) * std::exp(2 * r);
           const float* ucpu = cpu_u.data() + (t * nh + h) * rkv;
           const float* ugpu = gpu_u.data() + (t * nh + h) * rkv;
+          // Check 4 (gemm form): its u is within u_bound[c] of the CPU's (the bound of check 1
+          // holds for any summation order and fewer rescales), so BF16(u) lies between the
+          // roundings of the interval's ends (rounding is monotone).
+          std::vector<double> u_lo(rkv), u_hi(rkv);
           for (int64_t c = 0; c < rkv; ++c) {
             double mag = 0.0;
             for (int64_t s = 0; s < nk; ++s) mag += w[s] * std::abs(keys[s][c]);
             const double bound = 2 * factor * mag;  // both devices
+            const double lo_exact = ucpu[c] - bound, hi_exact = ucpu[c] + bound;
+            float lo = static_cast<float>(lo_exact), hi = static_cast<float>(hi_exact);
+            if (lo > lo_exact) lo = std::nextafter(lo, -INFINITY);
+            if (hi < hi_exact) hi = std::nextafter(hi, INFINITY);
+            u_lo[c] = bf16(lo);
+            u_hi[c] = bf16(hi);
             const double diff = std::abs(static_cast<double>(ugpu[c]) - ucpu[c]);
             ASSERT_LE(diff, bound) << "u dim " << c << ": gpu " << ugpu[c] << " cpu " << ucpu[c];
             worst_u = std::max(worst_u, diff / bound);
@@ -702,6 +724,19 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
             ASSERT_LE(std::abs(static_cast<double>(proj[o]) - ref[o]), proj_bound)
                 << "output " << j << ": gpu MlaProjectLatent " << proj[o] << ", cpu " << ref[o];
             if (!decode) {
+              // 4. The gemm form end to end: the BF16 u it projects is within [u_lo, u_hi].
+              double gemm_flips = 0.0, gemm_mag = 0.0;
+              for (int64_t c = 0; c < rkv; ++c) {
+                const double a = std::abs(w_at(wr, c));
+                const double b = bf16(ucpu[c]);
+                gemm_flips += a * std::max(u_hi[c] - b, b - u_lo[c]);
+                gemm_mag += a * std::max(std::abs(u_lo[c]), std::abs(u_hi[c]));
+              }
+              const double gemm_bound = gemm_flips + proj_gamma * (gemm_mag + mag_cpu);
+              const double gemm_diff = std::abs(static_cast<double>(got_gemm[o]) - want[o]);
+              ASSERT_LE(gemm_diff, gemm_bound)
+                  << "output " << j << ": gpu (gemm form) " << got_gemm[o] << ", cpu " << want[o];
+              worst_gemm = std::max(worst_gemm, gemm_diff / gemm_bound);
               const double end_bound = flips + proj_gamma * (mag_gpu + mag_cpu);
               const double end_diff = std::abs(static_cast<double>(got[o]) - want[o]);
               ASSERT_LE(end_diff, end_bound)
@@ -716,8 +751,8 @@ TEST_F(CudaVsCpuTest, MlaAtDeepSeekShapesWithFp8ProjectionsMatchesCpu) {
     // The margins, for the record (a ratio near 1 means the bound is tight for this data).
     std::printf(
         "%s: largest |diff| / bound: u %.3g, projection %.3g, end to end %.3g (largest "
-        "end-to-end |diff| %.3g)\n",
-        decode ? "decode" : "prefill", worst_u, worst_proj, worst_end, max_end_diff);
+        "end-to-end |diff| %.3g), gemm form end to end %.3g\n",
+        decode ? "decode" : "prefill", worst_u, worst_proj, worst_end, max_end_diff, worst_gemm);
   }
 }
 
