@@ -209,18 +209,23 @@ if [[ $BENCH == 1 ]]; then
   fi
 fi
 
+# supervisord for steps 3 and 4: from the PATH, else the wheel a bundle carries.
+ensure_supervisord() {
+  command -v supervisord >/dev/null && return 0
+  local wheels=("$BUILD"/bundle-wheels/supervisor-*.whl)
+  [[ -f "${wheels[0]}" ]] || return 0
+  if python3 -m pip install -q --no-index --no-deps --target "$REPORT/py" "${wheels[@]}" >/dev/null; then
+    export PYTHONPATH="$REPORT/py${PYTHONPATH:+:$PYTHONPATH}" PATH="$REPORT/py/bin:$PATH"
+  fi
+  return 0
+}
+
 # 3. The deployed stack on one GPU: greedy tokens through the router vs the CPU reference.
 stack_check() {
   local work="$REPORT/stack" hmoe="$BUILD/tools/hmoe"
   rm -rf "$work"
   mkdir -p "$work"
-  if ! command -v supervisord >/dev/null; then
-    local wheels=("$BUILD"/bundle-wheels/supervisor-*.whl)
-    if [[ -f "${wheels[0]}" ]]; then
-      python3 -m pip install -q --no-index --no-deps --target "$work/py" "${wheels[@]}" >/dev/null
-      export PYTHONPATH="$work/py${PYTHONPATH:+:$PYTHONPATH}" PATH="$work/py/bin:$PATH"
-    fi
-  fi
+  ensure_supervisord
   command -v supervisord >/dev/null || { echo "stack SKIPPED (no supervisord)"; return 0; }
   source "$ROOT/scripts/lib/common.sh"
   "$BUILD/tools/hmoe-make-model" --preset small --out "$work/small" >"$work/make-model.log" 2>&1
@@ -309,7 +314,10 @@ slp_one() {  # MODEL GPUS PREFILL_ARGS TOKENS... : one stack, one request per le
   tar -C "$work" -czf "$REPORT/slp-logs-$gpus.tgz" deploy/logs 2>/dev/null || true
   return $rc
 }
-if [[ $SLP == 1 ]] && command -v supervisord >/dev/null; then
+if [[ $SLP == 1 ]]; then ensure_supervisord; fi
+if [[ $SLP == 1 ]] && ! command -v supervisord >/dev/null; then
+  echo "slp SKIPPED (no supervisord)" >>"$REPORT/steps.txt"
+elif [[ $SLP == 1 ]]; then
   say "SLP prefill at real shapes"
   rs="$REPORT/real-shaped"
   if [[ ! -f "$rs/config.json" ]]; then
