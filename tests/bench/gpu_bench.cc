@@ -1135,18 +1135,7 @@ class GpuBench {
       c.cache_tokens = t;
       if (Selected(c.id)) cases.push_back(std::move(c));
     }
-    if (cases.empty()) return;
-    std::printf("\n== MLA prefill attention (Device::MlaPrefillAttention, FP8 projections) ==\n");
-    report_.PrintHeaderRow();
-    MlaWeights w;
-    if (absl::Status s = MakeMlaWeights(&w); !s.ok()) {
-      for (const MlaCase& c : cases) Fail(MlaFailResult(c), s);
-      return;
-    }
-    for (const MlaCase& c : cases) {
-      if (broken_) return;
-      RunMla(c, w);
-    }
+    RunMlaCases("MLA prefill attention (Device::MlaPrefillAttention, FP8 projections)", cases);
   }
 
   void MlaDecode() {
@@ -1166,8 +1155,13 @@ class GpuBench {
       c.decode = true;
       if (Selected(c.id)) cases.push_back(std::move(c));
     }
+    RunMlaCases("MLA decode attention (Device::MlaDecodeAttention, FP8 projections)", cases);
+  }
+
+  // One table of MLA cases sharing one set of weights.
+  void RunMlaCases(const char* title, const std::vector<MlaCase>& cases) {
     if (cases.empty()) return;
-    std::printf("\n== MLA decode attention (Device::MlaDecodeAttention, FP8 projections) ==\n");
+    std::printf("\n== %s ==\n", title);
     report_.PrintHeaderRow();
     MlaWeights w;
     if (absl::Status s = MakeMlaWeights(&w); !s.ok()) {
