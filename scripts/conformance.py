@@ -208,7 +208,14 @@ def yarn_reference(raw):
     def g(s, m):
         return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
 
-    attn_factor = g(factor, rs.get("mscale", 1.0)) / g(factor, rs.get("mscale_all_dim", 1.0))
+    # transformers: attention_factor when given, else the ratio when mscale and mscale_all_dim are
+    # both truthy, else g(factor, 1) (whatever the one present says).
+    if rs.get("attention_factor") is not None:
+        attn_factor = float(rs["attention_factor"])
+    elif rs.get("mscale") and rs.get("mscale_all_dim"):
+        attn_factor = g(factor, rs["mscale"]) / g(factor, rs["mscale_all_dim"])
+    else:
+        attn_factor = g(factor, 1.0)
     qk_head_dim = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"]
     m = g(factor, rs.get("mscale_all_dim", 0.0)) if rs.get("mscale_all_dim") else 1.0
     scale = qk_head_dim**-0.5 * m * m

@@ -5,6 +5,7 @@
 //   hmoe-make-model --preset small --out /tmp/small --seed 1 --dtype bf16
 //   hmoe-make-model --preset real-shaped --out /data/rs --shard-size-mb 2048
 //   hmoe-make-model --preset small --out /tmp/small-gguf --format gguf --quant q4_k_m
+//   hmoe-make-model --preset tiny --config-override kimi.json --out /tmp/kimi-like
 //
 // Flags may be spelled with dashes or underscores (--shard-size-mb == --shard_size_mb).
 
@@ -23,6 +24,7 @@
 
 #include "common/base/flags.h"
 #include "common/base/logging.h"
+#include "common/base/mapped_file.h"
 #include "tools/gguf_model_writer.h"
 #include "tools/model_writer.h"
 
@@ -37,6 +39,10 @@ ABSL_FLAG(int64_t, shard_size_mb, 0,
 ABSL_FLAG(int64_t, vocab_size, 0, "override the vocabulary size (0: preset)");
 ABSL_FLAG(int64_t, num_layers, 0, "override num_hidden_layers (0: preset)");
 ABSL_FLAG(int64_t, experts, 0, "override n_routed_experts (0: preset)");
+ABSL_FLAG(std::string, config_override, "",
+          "a JSON file: an object whose members replace or add config.json fields of the preset "
+          "before the weights are generated (shapes follow; null allowed, e.g. "
+          "{\"q_lora_rank\": null, \"rope_scaling\": null}); docs/conformance.md");
 ABSL_FLAG(bool, force, false, "write into a non-empty directory, replacing checkpoint files");
 ABSL_FLAG(int, threads, 0, "generation threads (0: all cores)");
 ABSL_FLAG(std::string, tokenizer, "deepseek",
@@ -83,6 +89,18 @@ int main(int argc, char** argv) {
   if (absl::Status s = hmoe::ApplyOverrides(overrides, &*preset); !s.ok()) {
     std::fprintf(stderr, "hmoe-make-model: %s\n", s.ToString().c_str());
     return 2;
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_config_override); !path.empty()) {
+    absl::StatusOr<std::string> text = hmoe::ReadFileToString(path);
+    if (!text.ok()) {
+      std::fprintf(stderr, "hmoe-make-model: --config-override: %s\n",
+                   text.status().ToString().c_str());
+      return 2;
+    }
+    if (absl::Status s = hmoe::ApplyConfigOverride(*text, &*preset); !s.ok()) {
+      std::fprintf(stderr, "hmoe-make-model: %s: %s\n", path.c_str(), s.ToString().c_str());
+      return 2;
+    }
   }
   const int threads = absl::GetFlag(FLAGS_threads);
   const int num_threads =

@@ -506,6 +506,111 @@ absl::Status ApplyOverrides(const PresetOverrides& overrides, ModelPreset* prese
   return c.Validate();
 }
 
+namespace {
+
+// config.json members of this family that ModelConfig does not model but transformers'
+// DeepseekV3Config accepts (ignored by us; written as given).
+constexpr std::string_view kOtherConfigKeys[] = {"aux_loss_alpha",
+                                                 "ep_size",
+                                                 "seq_aux",
+                                                 "initializer_range",
+                                                 "pretraining_tp",
+                                                 "use_cache",
+                                                 "attention_dropout",
+                                                 "rope_interleave",
+                                                 "torch_dtype",
+                                                 "dtype",
+                                                 "transformers_version",
+                                                 "auto_map",
+                                                 "pad_token_id",
+                                                 "head_dim",
+                                                 "_name_or_path"};
+constexpr std::string_view kRopeScalingKeys[] = {"type",
+                                                 "rope_type",
+                                                 "factor",
+                                                 "original_max_position_embeddings",
+                                                 "beta_fast",
+                                                 "beta_slow",
+                                                 "mscale",
+                                                 "mscale_all_dim",
+                                                 "attention_factor",
+                                                 "truncate"};
+
+// config.ToJson() with the override's members replacing or adding its own.
+absl::StatusOr<json::Value> MergedConfigJson(const ModelConfig& config, const ModelPreset& preset) {
+  HMOE_ASSIGN_OR_RETURN(json::Value merged, json::Parse(config.ToJson()));
+  for (const auto& [key, text] : preset.config_override) {
+    HMOE_ASSIGN_OR_RETURN(json::Value v, json::Parse(text));
+    merged.Set(key, std::move(v));
+  }
+  return merged;
+}
+
+}  // namespace
+
+absl::Status ApplyConfigOverride(std::string_view override_json, ModelPreset* preset) {
+  auto error = [](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("config override: ", what));
+  };
+  absl::StatusOr<json::Value> parsed = json::Parse(override_json);
+  if (!parsed.ok()) return error(parsed.status().message());
+  if (!parsed->is_object()) {
+    return error(absl::StrCat("expected a JSON object, got ", json::TypeName(parsed->type())));
+  }
+  HMOE_ASSIGN_OR_RETURN(const json::Value base, json::Parse(preset->config.ToJson()));
+  std::vector<std::pair<std::string, std::string>> members = preset->config_override;
+  for (const auto& [key, value] : parsed->members()) {
+    const absl::string_view key_view(key.data(), key.size());
+    if (key == "quantization_config") {
+      return error("field \"quantization_config\" is set by --dtype (fp8 or bf16)");
+    }
+    if (key == "text_config") {
+      return error(
+          "field \"text_config\": nested configs are not supported; override the "
+          "top-level fields");
+    }
+    // rope_scaling is always in ToJson's output (null without YaRN), as is every modelled field.
+    const bool known = base.Find(key) != nullptr ||
+                       std::find(std::begin(kOtherConfigKeys), std::end(kOtherConfigKeys), key) !=
+                           std::end(kOtherConfigKeys);
+    if (!known) {
+      return error(absl::StrCat("unknown field \"", key_view,
+                                "\" (not a DeepSeek-V3-family config.json field)"));
+    }
+    if (key == "rope_scaling" && value.is_object()) {
+      for (const auto& [sub, unused] : value.members()) {
+        if (std::find(std::begin(kRopeScalingKeys), std::end(kRopeScalingKeys), sub) ==
+            std::end(kRopeScalingKeys)) {
+          return error(absl::StrCat("unknown field \"rope_scaling.",
+                                    absl::string_view(sub.data(), sub.size()), "\""));
+        }
+      }
+    }
+    auto it =
+        std::find_if(members.begin(), members.end(), [&](const auto& m) { return m.first == key; });
+    std::string text = json::Serialize(value);
+    if (it != members.end()) {
+      it->second = std::move(text);
+    } else {
+      members.emplace_back(key, std::move(text));
+    }
+  }
+  ModelPreset candidate = *preset;
+  candidate.config_override = std::move(members);
+  HMOE_ASSIGN_OR_RETURN(const json::Value merged, MergedConfigJson(preset->config, candidate));
+  absl::StatusOr<ModelConfig> config = ModelConfig::FromJson(json::Serialize(merged));
+  if (!config.ok()) return error(config.status().message());
+  if (config->vocab_size < kMinBuiltVocabSize) {
+    return error(absl::StrCat("field \"vocab_size\": ", config->vocab_size,
+                              " is below the built tokenizer's minimum ", kMinBuiltVocabSize));
+  }
+  candidate.config = *std::move(config);
+  candidate.tokenizer_vocab_size = static_cast<int32_t>(
+      std::min<int64_t>(candidate.tokenizer_vocab_size, candidate.config.vocab_size));
+  *preset = std::move(candidate);
+  return absl::OkStatus();
+}
+
 InitDistribution InitStd(const ExpectedTensor& t, const ModelConfig& config) {
   const float hidden = static_cast<float>(config.hidden_size);
   switch (t.kind) {
@@ -626,8 +731,25 @@ absl::Status WriteModel(const ModelPreset& preset, const std::string& out_dir,
                                            options.tokenizer_style));
   HMOE_RETURN_IF_ERROR(
       WriteFileAtomically(out_dir + "/generation_config.json", GenerationConfigJson(config)));
+  std::string config_json = config.ToJson();
+  if (!preset.config_override.empty()) {
+    // The override's members as given (absent rope_scaling keys stay absent), then what this
+    // function decides itself: the quantization (options.fp8) and a Kimi tokenizer's BOS/EOS.
+    HMOE_ASSIGN_OR_RETURN(json::Value merged, MergedConfigJson(config, preset));
+    HMOE_ASSIGN_OR_RETURN(const json::Value own, json::Parse(config_json));
+    for (const char* key : {"quantization_config", "bos_token_id", "eos_token_id"}) {
+      if (const json::Value* v = own.Find(key)) merged.Set(key, *v);
+    }
+    config_json = json::Serialize(merged, 2) + "\n";
+    HMOE_ASSIGN_OR_RETURN(const ModelConfig reread, ModelConfig::FromJson(config_json));
+    if (!(reread == config)) {
+      return absl::InternalError(
+          "config.json with the override does not read back as the "
+          "config the weights were generated for");
+    }
+  }
   // Last, so that a directory whose writing was interrupted is not a loadable checkpoint.
-  return WriteFileAtomically(out_dir + "/config.json", config.ToJson());
+  return WriteFileAtomically(out_dir + "/config.json", config_json);
 }
 
 }  // namespace hmoe

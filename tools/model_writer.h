@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,6 +31,9 @@ struct ModelPreset {
   ModelConfig config;                // FP8 quantization_config set; WriteModel drops it for BF16
   int32_t tokenizer_vocab_size = 0;  // <= config.vocab_size; ids beyond are unused rows
   int64_t shard_size_bytes = 0;      // default shard size
+  // Members of a --config-override object (ApplyConfigOverride), written into config.json as
+  // given so that keys the override leaves out of rope_scaling stay absent. Empty: none.
+  std::vector<std::pair<std::string, std::string>> config_override;  // key, serialized value
 };
 
 // "tiny" (MODEL-SPEC 7.1 T1, ~6 MB), "small" (a ~400 MB demo that answers quickly on 2 cores),
@@ -46,6 +50,17 @@ struct PresetOverrides {
   int64_t experts = 0;
 };
 absl::Status ApplyOverrides(const PresetOverrides& overrides, ModelPreset* preset);
+
+// Replaces or adds config.json fields of a preset (hmoe-make-model --config-override FILE), before
+// any weight is generated, so tensor shapes follow: `override_json` is a JSON object whose
+// members replace the preset's config.json members of the same name (whole values: an object
+// replaces the whole rope_scaling; null is allowed, e.g. "q_lora_rank": null for a single q_proj
+// or "rope_scaling": null for plain RoPE). InvalidArgument, naming the problem, when the text is
+// not a JSON object, a key is not a config.json field of this family (typos are not silently
+// ignored), a rope_scaling key is unknown, quantization_config is given (--dtype decides it) or
+// the resulting config is invalid (ModelConfig::FromJson's message). Applies after
+// ApplyOverrides' flags when both are used.
+absl::Status ApplyConfigOverride(std::string_view override_json, ModelPreset* preset);
 
 struct WriteOptions {
   uint64_t seed = 0;

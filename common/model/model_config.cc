@@ -174,10 +174,22 @@ absl::Status ParseRopeScaling(const FieldReader& r, ModelConfig* c) {
       {"beta_fast", &y.beta_fast},
       {"beta_slow", &y.beta_slow},
       {"mscale", &y.mscale},
-      {"mscale_all_dim", &y.mscale_all_dim}};
+      {"mscale_all_dim", &y.mscale_all_dim},
+      {"attention_factor", &y.attention_factor}};
   for (const auto& [key, dst] : optional_numbers) {
     if ((v = rs->Find(key)) != nullptr && !v->is_null()) {
       HMOE_RETURN_IF_ERROR(FieldReader::ToDouble(*v, sub_path(key), dst));
+    }
+  }
+  if ((v = rs->Find("attention_factor")) != nullptr && !v->is_null() && !(y.attention_factor > 0)) {
+    return FieldError(sub_path("attention_factor"),
+                      absl::StrCat("must be a finite number > 0, got ", y.attention_factor));
+  }
+  // transformers skips the floor/ceil of the correction range when truncate is false; we do not
+  // implement that variant.
+  if ((v = rs->Find("truncate")) != nullptr && !v->is_null()) {
+    if (!v->is_bool() || !v->as_bool()) {
+      return FieldError(sub_path("truncate"), "only true (the default) is supported");
     }
   }
   return absl::OkStatus();
@@ -414,9 +426,15 @@ std::vector<float> ModelConfig::rope_inv_freq() const {
 }
 
 double ModelConfig::rope_attention_factor() const {
-  if (!rope_scaling.enabled) return 1.0;
-  return YarnScaleOf(rope_scaling.factor, rope_scaling.mscale) /
-         YarnScaleOf(rope_scaling.factor, rope_scaling.mscale_all_dim);
+  const YarnConfig& y = rope_scaling;
+  if (!y.enabled) return 1.0;
+  if (y.attention_factor != 0.0) return y.attention_factor;
+  // transformers: `if mscale and mscale_all_dim` (both truthy) the ratio, else g(factor, 1) -- even
+  // when only one of them is given, and whatever its value.
+  if (y.mscale != 0.0 && y.mscale_all_dim != 0.0) {
+    return YarnScaleOf(y.factor, y.mscale) / YarnScaleOf(y.factor, y.mscale_all_dim);
+  }
+  return YarnScaleOf(y.factor, 1.0);
 }
 
 absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json_text) {
@@ -518,6 +536,10 @@ absl::Status ModelConfig::Validate() const {
     if (!std::isfinite(rope_scaling.mscale_all_dim)) {
       return FieldError("rope_scaling.mscale_all_dim", "must be finite");
     }
+    if (rope_scaling.attention_factor != 0.0) {
+      HMOE_RETURN_IF_ERROR(
+          CheckPositiveFinite("rope_scaling.attention_factor", rope_scaling.attention_factor));
+    }
   }
   if (bos_token_id < -1 || bos_token_id >= vocab_size) {
     return FieldError("bos_token_id",
@@ -587,8 +609,14 @@ std::string ModelConfig::ToJson() const {
            Value::Integer(rope_scaling.original_max_position_embeddings));
     rs.Set("beta_fast", Value::Number(rope_scaling.beta_fast));
     rs.Set("beta_slow", Value::Number(rope_scaling.beta_slow));
-    rs.Set("mscale", Value::Number(rope_scaling.mscale));
-    rs.Set("mscale_all_dim", Value::Number(rope_scaling.mscale_all_dim));
+    // 0 means absent (see YarnConfig): omitted, which transformers reads the same way.
+    if (rope_scaling.mscale != 0.0) rs.Set("mscale", Value::Number(rope_scaling.mscale));
+    if (rope_scaling.mscale_all_dim != 0.0) {
+      rs.Set("mscale_all_dim", Value::Number(rope_scaling.mscale_all_dim));
+    }
+    if (rope_scaling.attention_factor != 0.0) {
+      rs.Set("attention_factor", Value::Number(rope_scaling.attention_factor));
+    }
     o.Set("rope_scaling", std::move(rs));
   } else {
     o.Set("rope_scaling", Value::Null());

@@ -19,8 +19,12 @@ struct YarnConfig {
   int64_t original_max_position_embeddings = 4096;
   double beta_fast = 32.0;
   double beta_slow = 1.0;
-  double mscale = 1.0;
+  // mscale and mscale_all_dim: 0 when the key is absent, null or 0. Hugging Face tests them for
+  // truthiness (`if mscale and mscale_all_dim`), so those three spellings mean the same there too.
+  double mscale = 0.0;
   double mscale_all_dim = 0.0;
+  // rope_scaling.attention_factor (transformers' explicit cos/sin multiplier); 0 when absent.
+  double attention_factor = 0.0;
 
   bool operator==(const YarnConfig&) const = default;
 };
@@ -82,8 +86,10 @@ struct ModelConfig {
   // itself / factor (interpolation) by a linear ramp over YaRN's correction range. Computed in
   // double, returned as float. The engine's table; reference::YarnInvFreq is the oracle's own.
   std::vector<float> rope_inv_freq() const;
-  // YaRN's cos/sin multiplier mscale(factor, mscale) / mscale(factor, mscale_all_dim), 1 without
-  // YaRN (MODEL-SPEC 3.4).
+  // YaRN's cos/sin multiplier (MODEL-SPEC 3.4), as transformers' _compute_yarn_parameters: 1
+  // without YaRN; attention_factor when given; g(factor, mscale) / g(factor, mscale_all_dim) when
+  // both mscale and mscale_all_dim are non-zero; else g(factor, 1) = 0.1 ln(factor) + 1 (whatever
+  // the one present says), with g(s, m) = 1 if s <= 1 else 0.1 m ln s + 1.
   double rope_attention_factor() const;
 
   // Parses config.json text. Errors are InvalidArgument and name the field, e.g.

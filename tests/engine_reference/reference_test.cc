@@ -392,6 +392,39 @@ TEST(ReferenceRopeTest, ModelConfigTablesMatchTheReference) {
   }
 }
 
+// The oracle's own YaRN multipliers for every mscale / mscale_all_dim combination (0 = absent,
+// null or 0 in config.json), against transformers' rules computed by hand for factor 40,
+// qk_head_dim 192: g(40, 1) = 0.1 ln 40 + 1 = 1.3688879454113936, g(40, 1) / g(40, 0.707) =
+// 1.3688879454113936 / 1.2608037774058554 = 1.0857264, 192^-0.5 = 0.07216878364870323.
+TEST(ReferenceRopeTest, MscaleCombinationsFollowTransformers) {
+  constexpr double kG1 = 1.3688879454113936, kPlain = 0.07216878364870323;
+  const double g_half = 0.1 * 0.707 * std::log(40.0) + 1.0;
+  struct Case {
+    double mscale, mscale_all_dim, attention_factor, cos_sin, softmax;
+  };
+  const Case cases[] = {
+      {0, 0, 0, kG1, kPlain},
+      {1, 0, 0, kG1, kPlain},
+      {3, 0, 0, kG1, kPlain},
+      {0, 1, 0, kG1, kPlain * kG1 * kG1},  // mscale_all_dim without mscale
+      {1, 1, 0, 1.0, kPlain * kG1 * kG1},
+      {1, 0.707, 0, kG1 / g_half, kPlain * g_half * g_half},
+      {1, 1, 2.0, 2.0, kPlain * kG1 * kG1},
+  };
+  for (const Case& k : cases) {
+    ModelConfig c = DeepSeekV3Config();
+    c.rope_scaling.mscale = k.mscale;
+    c.rope_scaling.mscale_all_dim = k.mscale_all_dim;
+    c.rope_scaling.attention_factor = k.attention_factor;
+    EXPECT_NEAR(YarnAttentionFactor(c), k.cos_sin, 1e-12) << k.mscale << " " << k.mscale_all_dim;
+    EXPECT_NEAR(MlaSoftmaxScale(c), k.softmax, 1e-12) << k.mscale << " " << k.mscale_all_dim;
+    // The engine's ModelConfig computes the same values independently.
+    EXPECT_EQ(c.rope_attention_factor(), YarnAttentionFactor(c));
+    EXPECT_EQ(c.softmax_scale(), MlaSoftmaxScale(c));
+  }
+  EXPECT_NEAR(kG1 / g_half, 1.0857264, 1e-7);
+}
+
 TEST(ReferenceRopeTest, RotatesInterleavedPairsAtKnownAngles) {
   // Pair 0 rotates by 2 * pi/4 = 90 degrees: (1, 0) -> (0, 1).
   // Pair 1 rotates by 2 * pi/2 = 180 degrees: (0, 1) -> (0, -1). Both scaled by 2.

@@ -134,6 +134,58 @@ TEST(ModelConfigTest, SoftmaxScaleWithoutYarnIsPlainInverseSqrt) {
   EXPECT_DOUBLE_EQ(d.softmax_scale(), 1.0 / std::sqrt(48.0));
 }
 
+// Every combination of rope_scaling.mscale / mscale_all_dim present, absent, null or 0, against
+// values computed by hand from transformers' rules (modeling_rope_utils._compute_yarn_parameters
+// for cos/sin, modeling_deepseek_v3.yarn_apply_mscale for the softmax scale), factor 8 and
+// qk_head_dim 48: g(s, m) = 0.1 m ln s + 1; g(8, 1) = 1.2079441541679836,
+// g(8, 1) / g(8, 0.5) = 1.094179988101349, 48^-0.5 = 0.14433756729740646,
+// 48^-0.5 g(8, 1)^2 = 0.21060714172072306, 48^-0.5 g(8, 0.5)^2 = 0.1759120375763974.
+TEST(ModelConfigTest, YarnMscaleCombinationsFollowTransformers) {
+  struct Case {
+    const char* extra;  // keys added to {"type": "yarn", "factor": 8, ...}
+    double cos_sin;
+    double softmax;
+  };
+  constexpr double kG1 = 1.2079441541679836, kPlain = 0.14433756729740646,
+                   kAll1 = 0.21060714172072306, kAllHalf = 0.1759120375763974;
+  const Case cases[] = {
+      {"", kG1, kPlain},                                         // neither
+      {R"(, "mscale": 1)", kG1, kPlain},                         // mscale only
+      {R"(, "mscale": 2)", kG1, kPlain},                         // its value is not used
+      {R"(, "mscale_all_dim": 1)", kG1, kAll1},                  // the known trap
+      {R"(, "mscale": null, "mscale_all_dim": 1)", kG1, kAll1},  // null == absent
+      {R"(, "mscale": 0, "mscale_all_dim": 1)", kG1, kAll1},     // 0 == absent (truthiness)
+      {R"(, "mscale": 1, "mscale_all_dim": 1)", 1.0, kAll1},     // DeepSeek-V3, Kimi-K2
+      {R"(, "mscale": 1, "mscale_all_dim": 0.5)", 1.094179988101349, kAllHalf},
+      {R"(, "mscale": 1, "mscale_all_dim": 0)", kG1, kPlain},
+      {R"(, "mscale": 1, "mscale_all_dim": null)", kG1, kPlain},
+      {R"(, "mscale": 1, "mscale_all_dim": 1, "attention_factor": 1.5)", 1.5, kAll1},
+      {R"(, "attention_factor": 0.75)", 0.75, kPlain},
+  };
+  for (const Case& k : cases) {
+    const std::string rope = std::string(R"({"type": "yarn", "factor": 8)") + k.extra + "}";
+    const ModelConfig c = ParseOk(WithField(kT1ConfigJson, "rope_scaling", Obj(rope)));
+    EXPECT_NEAR(c.rope_attention_factor(), k.cos_sin, 1e-15) << rope;
+    EXPECT_NEAR(c.softmax_scale(), k.softmax, 1e-15) << rope;
+    // What hmoe-make-model writes reads back the same way.
+    const ModelConfig again = ParseOk(c.ToJson());
+    EXPECT_EQ(again.rope_attention_factor(), c.rope_attention_factor()) << rope;
+    EXPECT_EQ(again.softmax_scale(), c.softmax_scale()) << rope;
+  }
+  // factor <= 1: g is 1 whatever the mscales.
+  const ModelConfig one = ParseOk(WithField(
+      kT1ConfigJson, "rope_scaling", Obj(R"({"type": "yarn", "factor": 1, "mscale_all_dim": 1})")));
+  EXPECT_EQ(one.rope_attention_factor(), 1.0);
+  EXPECT_EQ(one.softmax_scale(), kPlain);
+  // What we do not implement is refused, not misread.
+  EXPECT_THAT(ParseError(WithField(kT1ConfigJson, "rope_scaling",
+                                   Obj(R"({"type": "yarn", "factor": 8, "truncate": false})"))),
+              HasSubstr("field \"rope_scaling.truncate\": only true"));
+  EXPECT_THAT(ParseError(WithField(kT1ConfigJson, "rope_scaling",
+                                   Obj(R"({"type": "yarn", "factor": 8, "attention_factor": 0})"))),
+              HasSubstr("field \"rope_scaling.attention_factor\": must be a finite number > 0"));
+}
+
 TEST(ModelConfigTest, KimiTextConfigNesting) {
   // K2.5-style: the language model's fields under "text_config", quantization at the top.
   json::Value text = Obj(kKimiK2ConfigJson);

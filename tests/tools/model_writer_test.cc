@@ -224,6 +224,101 @@ TEST(PresetTest, OverridesApplyAndAreValidated) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(PresetTest, ConfigOverrideReplacesFieldsBeforeShapes) {
+  ModelPreset p = *GetPreset("tiny");
+  ASSERT_TRUE(ApplyConfigOverride(R"({"hidden_size": 200, "q_lora_rank": null, "n_group": 1,
+                                      "topk_group": 1, "num_attention_heads": 3,
+                                      "rope_scaling": {"type": "yarn", "factor": 8,
+                                                       "original_max_position_embeddings": 128,
+                                                       "mscale_all_dim": 1}})",
+                                  &p)
+                  .ok());
+  EXPECT_EQ(p.config.hidden_size, 200);
+  EXPECT_FALSE(p.config.q_lora_rank.has_value());
+  EXPECT_EQ(p.config.n_group, 1);
+  EXPECT_EQ(p.config.num_attention_heads, 3);
+  EXPECT_DOUBLE_EQ(p.config.rope_scaling.factor, 8.0);
+  EXPECT_EQ(p.config.rope_scaling.mscale, 0.0);  // absent: the whole object was replaced
+  EXPECT_EQ(p.config.rope_scaling.mscale_all_dim, 1.0);
+  // A second override adds to the first; rope_scaling null is plain RoPE.
+  ASSERT_TRUE(ApplyConfigOverride(R"({"rope_scaling": null, "vocab_size": 700})", &p).ok());
+  EXPECT_FALSE(p.config.rope_scaling.enabled);
+  EXPECT_EQ(p.config.hidden_size, 200);
+  EXPECT_EQ(p.config.vocab_size, 700);
+  EXPECT_EQ(p.tokenizer_vocab_size, 700);
+  // The weights follow the shapes.
+  const std::vector<ExpectedTensor> expected = ExpectedTensors(p.config);
+  EXPECT_EQ(FindExpected(expected, "model.embed_tokens.weight").shape,
+            (std::vector<int64_t>{700, 200}));
+  EXPECT_EQ(FindExpected(expected, "model.layers.0.self_attn.q_proj.weight").shape,
+            (std::vector<int64_t>{3 * 48, 200}));
+}
+
+TEST(PresetTest, ConfigOverrideErrorsNameTheProblem) {
+  struct Case {
+    const char* json;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"[1, 2]", "expected a JSON object, got array"},
+      {"{\"hidden_size\": 256", "config override: "},  // a JSON syntax error
+      {R"({"hidden_sise": 256})", "unknown field \"hidden_sise\""},
+      {R"({"rope_scaling": {"type": "yarn", "factor": 4, "mscale_al_dim": 1}})",
+       "unknown field \"rope_scaling.mscale_al_dim\""},
+      {R"({"quantization_config": null})", "set by --dtype"},
+      {R"({"text_config": {}})", "nested configs are not supported"},
+      {R"({"hidden_size": "256"})", "field \"hidden_size\": expected an integer, got string"},
+      {R"({"n_group": 3})", "field \"n_group\""},
+      {R"({"qk_rope_head_dim": 15})", "must be even"},
+      {R"({"vocab_size": 100})", "below the built tokenizer's minimum"},
+      {R"({"rope_scaling": {"type": "yarn", "factor": 4, "truncate": false}})",
+       "rope_scaling.truncate"},
+  };
+  for (const Case& c : cases) {
+    ModelPreset p = *GetPreset("tiny");
+    const ModelPreset before = p;
+    const absl::Status s = ApplyConfigOverride(c.json, &p);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.json << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.expected)) << c.json;
+    EXPECT_EQ(p.config, before.config) << "a failed override must leave the preset alone";
+  }
+}
+
+// config.json carries the override as given (rope_scaling keys it leaves out stay out, as
+// transformers must see them), reads back as the generating config, and the weights are the
+// same bytes for the same seed and override.
+TEST_F(ModelWriterTest, ConfigOverrideIsWrittenAsGivenAndDeterministic) {
+  ModelPreset p = ReducedTiny();
+  ASSERT_TRUE(ApplyConfigOverride(R"({"hidden_size": 200, "moe_intermediate_size": 72,
+                                      "rope_scaling": {"type": "yarn", "factor": 8,
+                                                       "original_max_position_embeddings": 128,
+                                                       "mscale_all_dim": 1}})",
+                                  &p)
+                  .ok());
+  const std::string a = Write(p, "a");
+  const std::string b = Write(p, "b");
+  EXPECT_EQ(Contents(a), Contents(b));
+  const std::string config_text = ReadAll(fs::path(a) / "config.json");
+  absl::StatusOr<json::Value> config = json::Parse(config_text);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const json::Value* rope = config->Find("rope_scaling");
+  ASSERT_NE(rope, nullptr);
+  EXPECT_EQ(rope->Find("mscale"), nullptr) << config_text;
+  ASSERT_NE(rope->Find("mscale_all_dim"), nullptr);
+  EXPECT_EQ(config->Find("hidden_size")->as_int(), 200);
+  EXPECT_NE(config->Find("quantization_config"), nullptr);  // --dtype fp8 (the default)
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(a);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->config(), p.config);
+  EXPECT_TRUE(ValidateTensors((*ckpt)->config(), **ckpt).ok());
+  // BF16: the override stays, the quantization goes.
+  const std::string bf16 = Write(p, "bf16", {.fp8 = false});
+  absl::StatusOr<json::Value> bf16_config = json::Parse(ReadAll(fs::path(bf16) / "config.json"));
+  ASSERT_TRUE(bf16_config.ok());
+  EXPECT_EQ(bf16_config->Find("quantization_config"), nullptr);
+  EXPECT_EQ(bf16_config->Find("hidden_size")->as_int(), 200);
+}
+
 TEST_F(ModelWriterTest, TinyReopensValidatesAndIsSharded) {
   const std::string dir = SharedTiny();
   absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);

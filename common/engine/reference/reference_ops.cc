@@ -176,6 +176,11 @@ std::vector<float> YarnInvFreq(const ModelConfig& config) {
 double YarnAttentionFactor(const ModelConfig& config) {
   const YarnConfig& yarn = config.rope_scaling;
   if (!yarn.enabled) return 1.0;
+  if (yarn.attention_factor > 0.0) return yarn.attention_factor;  // given explicitly
+  // Hugging Face uses the ratio only when both are present and non-zero; with one of them (or
+  // neither) it is g(factor, 1), the paper's 0.1 ln s + 1, whatever the present one says.
+  const bool both = yarn.mscale != 0.0 && yarn.mscale_all_dim != 0.0;
+  if (!both) return YarnMscale(yarn.factor, 1.0);
   return YarnMscale(yarn.factor, yarn.mscale) / YarnMscale(yarn.factor, yarn.mscale_all_dim);
 }
 

@@ -69,8 +69,9 @@ YarnCorrectionRange YarnRange(int64_t rope_dim, double rope_theta, const YarnCon
 // frequencies (MODEL-SPEC §3.4). Computed in double, returned as float.
 std::vector<float> YarnInvFreq(const ModelConfig& config);
 
-// YaRN's cos/sin multiplier: g(f, mscale) / g(f, mscale_all_dim) with g(s, m) = 1 if s <= 1 else
-// 0.1 m ln s + 1 (1.0 for DeepSeek-V3 and Kimi-K2). 1.0 without YaRN.
+// YaRN's cos/sin multiplier, Hugging Face's rule: rope_scaling.attention_factor when given; else
+// g(f, mscale) / g(f, mscale_all_dim) when both are present and non-zero (1.0 for DeepSeek-V3 and
+// Kimi-K2); else g(f, 1); with g(s, m) = 1 if s <= 1 else 0.1 m ln s + 1. 1.0 without YaRN.
 double YarnAttentionFactor(const ModelConfig& config);
 
 // MLA softmax scale: qk_head_dim^-0.5 * m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1 when
