@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libboost-dev libnuma-dev numactl
+  libabsl-dev libboost-dev libnuma-dev numactl zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   supervisor clang-format
   python3 python3-venv  # the GGUF oracle test's venv (tests/model/gguf_oracle_test.py)
