@@ -4,7 +4,13 @@
 # the CPU, float32) on the tiny checkpoint. Optional: not part of scripts/test.sh (it downloads
 # torch, transformers and safetensors from PyPI). See docs/conformance.md.
 #
-#   scripts/conformance.sh
+#   scripts/conformance.sh            # compare our reference with transformers on tiny
+#   scripts/conformance.sh --golden   # rewrite tests/data/golden/*.json.gz (pinned versions)
+#
+# --golden: builds hmoe-make-model, creates the venv with the pinned packages below, and runs
+# scripts/conformance_golden.py over tests/data/golden/configs.json: each configuration's
+# checkpoint made with --config-override, HF's float32 logits written to tests/data/golden (what
+# hmoe_golden_logits_test compares the reference and the engine with; docs/conformance.md).
 #
 # Steps: build hmoe-make-model and hmoe-generate (reusing build/cpu when it exists, else a CPU
 # build in build/conformance-build); create or reuse a virtual environment with torch,
@@ -30,7 +36,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HMOE_CONFORMANCE_VENV:-$ROOT/build/venv-conformance}"
 PYTHON="${HMOE_PYTHON:-python3}"
-read -r -a PACKAGES <<<"${HMOE_CONFORMANCE_PACKAGES:-torch transformers>=4.51 safetensors numpy}"
+GOLDEN=0
+if [[ "${1:-}" == "--golden" ]]; then
+  GOLDEN=1
+elif [[ $# -gt 0 ]]; then
+  echo "usage: scripts/conformance.sh [--golden]" >&2
+  exit 2
+fi
+# The golden files record the versions that made them; --golden installs exactly these.
+GOLDEN_PACKAGES="torch==2.15.0 transformers==5.23.0 safetensors==0.8.0 numpy==2.4.6"
+if [[ $GOLDEN == 1 ]]; then
+  DEFAULT_PACKAGES="$GOLDEN_PACKAGES"
+else
+  DEFAULT_PACKAGES="torch transformers>=4.51 safetensors numpy"
+fi
+read -r -a PACKAGES <<<"${HMOE_CONFORMANCE_PACKAGES:-$DEFAULT_PACKAGES}"
 SEED="${HMOE_CONFORMANCE_SEED:-0}"
 DTYPE="${HMOE_CONFORMANCE_DTYPE:-fp8}"
 PROMPT_TOKENS=128
@@ -72,7 +92,18 @@ have_packages() {
     "$VENV/bin/python" -c 'import numpy, safetensors, torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM' >/dev/null 2>&1
 }
-if have_packages; then
+have_pinned() {
+  [[ $GOLDEN == 0 ]] && return 0
+  "$VENV/bin/python" - "${PACKAGES[@]}" <<'PY' >/dev/null 2>&1
+import sys
+from importlib.metadata import version
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    if want and version(name).split("+")[0] != want:
+        sys.exit(1)
+PY
+}
+if have_packages && have_pinned; then
   log "reusing the virtual environment $VENV"
 else
   if [[ ! -x "$VENV/bin/python" ]]; then
@@ -85,6 +116,18 @@ else
   "$VENV/bin/python" -m pip install "${PACKAGES[@]}"
   have_packages ||
     die "$VENV still cannot import torch, transformers (DeepseekV3ForCausalLM) or safetensors"
+fi
+
+# ---- --golden: HF's logits for every configuration of tests/data/golden/configs.json
+if [[ $GOLDEN == 1 ]]; then
+  have_pinned || die "$VENV does not have the pinned $GOLDEN_PACKAGES"
+  WORK="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-golden.XXXXXX")"
+  trap 'rm -rf "$WORK"' EXIT
+  log "golden logits (${GOLDEN_PACKAGES}) -> tests/data/golden"
+  "$VENV/bin/python" "$ROOT/scripts/conformance_golden.py" --make-model "$MAKE_MODEL" \
+    --configs "$ROOT/tests/data/golden/configs.json" --out-dir "$ROOT/tests/data/golden" \
+    --work "$WORK"
+  exit 0
 fi
 
 # ---- checkpoint and our logits
