@@ -52,6 +52,7 @@
 #include "common/engine/kv_cache.h"
 #include "common/engine/weights.h"
 #include "common/kernels/cpu/fp8_gemm.h"
+#include "common/kernels/cpu/quant_gemv.h"
 #include "common/model/checkpoint.h"
 #include "common/model/gguf_source.h"
 #include "common/model/tensor_map.h"
@@ -492,7 +493,11 @@ void BM_Prefill(benchmark::State& state) {
   }
   // The peak of the GEMM's instruction mix, by the main thread's CPU clock, right before and
   // after the prefill (the larger is used: load only lowers it).
-  const bench::Mix mix = bench::MixOf(cpu::DefaultFp8Gemm().isa());
+  // A GGUF model's products run on the quantized kernels (int8 dot products): the int8 peak of
+  // their variant (AVX-512 VNNI: vpdpbusd zmm; AVX2: the core's 256-bit vpdpbusd where it has
+  // AVX-VNNI, else the FP32 FMA peak as a stand-in).
+  const bench::Mix mix = GetSetup().gguf ? bench::Int8MixOf(cpu::DefaultQuantGemv().isa())
+                                         : bench::MixOf(cpu::DefaultFp8Gemm().isa());
   double peak = CpuPeakGflops(mix);
   double seconds = 0;
   double cpu_seconds = 0;

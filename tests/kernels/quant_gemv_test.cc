@@ -18,6 +18,7 @@
 #include "common/kernels/cpu/quant_gemv.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -214,8 +215,9 @@ std::vector<std::unique_ptr<QuantGemv>> Variants() {
 
 // Runs every variant on rows [m_begin, m_end) of `w` for all tokens of `x` and compares each
 // output with the oracle within the bound.
+// With `gemm`, through GemmRows (any number of tokens) instead of MatVec.
 void CheckAgainstOracle(const Matrix& w, const Activations& x, int64_t m_begin, int64_t m_end,
-                        const std::string& what) {
+                        const std::string& what, bool gemm = false) {
   const int64_t rows = m_end - m_begin;
   const int64_t y_stride = rows + 3;
   std::vector<double> want(x.n * rows), tol(x.n * rows);
@@ -236,7 +238,11 @@ void CheckAgainstOracle(const Matrix& w, const Activations& x, int64_t m_begin, 
   }
   for (const auto& gemv : Variants()) {
     std::vector<float> y(x.n * y_stride, -12345.0f);
-    gemv->MatVec(w.view(), x.blocks.data(), x.stride, x.n, m_begin, m_end, y.data(), y_stride);
+    if (gemm) {
+      gemv->GemmRows(w.view(), x.blocks.data(), x.stride, x.n, m_begin, m_end, y.data(), y_stride);
+    } else {
+      gemv->MatVec(w.view(), x.blocks.data(), x.stride, x.n, m_begin, m_end, y.data(), y_stride);
+    }
     for (int t = 0; t < x.n; ++t) {
       for (int64_t i = 0; i < rows; ++i) {
         ASSERT_NEAR(y[t * y_stride + i], want[t * rows + i], tol[t * rows + i])
@@ -383,6 +389,70 @@ TEST(QuantGemvTest, GemmRowsEqualsMatVecPerToken) {
           ASSERT_EQ(gemm[t * 290 + i], one[i]) << CpuIsaName(gemv->isa()) << " " << tp.name;
         }
       }
+    }
+  }
+}
+
+// The GEMM kernels (GemmRows: AVX-512's for the K types, MatVec groups elsewhere) against each
+// variant's own MatVec of one token, bitwise, over ragged shapes: token counts around the token
+// tile (8) up to 601, row ranges across the 64-row tile and not starting at 0, column counts
+// across the 8-block tile, a padded row stride, an activation stride above the minimum; rows
+// outside the range and padding between outputs untouched.
+TEST(QuantGemvTest, GemmRowsIsBitwiseMatVecPerTokenOnRaggedShapes) {
+  std::mt19937 rng(6);
+  struct Shape {
+    int64_t rows, cols_blocks, m_begin, m_end, pad;
+    std::vector<int> tokens;
+  };
+  const std::vector<Shape> shapes = {
+      {1, 1, 0, 1, 0, {1, 9, 64}},
+      {131, 9, 2, 130, 16, {1, 7, 8, 9, 17, 33}},
+      {70, 17, 0, 70, 0, {2, 15, 16, 65}},
+      {66, 4, 1, 66, 0, {601}},
+  };
+  for (const TypeParams& tp : kTypes) {
+    for (const Shape& sh : shapes) {
+      // Q8_0 / Q5_0: 8 blocks of 32 per "K block", so both kinds see the same row lengths.
+      const int64_t cols = sh.cols_blocks * 256;
+      const Matrix w = RandomMatrix(tp, sh.rows, cols, rng, sh.pad);
+      for (int n : sh.tokens) {
+        const int64_t x_stride = Q8KBlocks(cols) + (n % 2);
+        const Activations x = QuantizedActivations(n, cols, x_stride, rng);
+        const int64_t rows = sh.m_end - sh.m_begin;
+        const int64_t y_stride = rows + 5;
+        for (const auto& gemv : Variants()) {
+          const std::string what = absl::StrCat(std::string(CpuIsaName(gemv->isa())), " ", tp.name,
+                                                " rows ", sh.rows, " cols ", cols, " n ", n);
+          std::vector<float> gemm(n * y_stride, -12345.0f), one(y_stride, -12345.0f);
+          gemv->GemmRows(w.view(), x.blocks.data(), x.stride, n, sh.m_begin, sh.m_end, gemm.data(),
+                         y_stride);
+          for (int t = 0; t < n; ++t) {
+            gemv->MatVec(w.view(), x.token(t), x.stride, 1, sh.m_begin, sh.m_end, one.data(),
+                         y_stride);
+            for (int64_t i = 0; i < rows; ++i) {
+              ASSERT_EQ(std::bit_cast<uint32_t>(gemm[t * y_stride + i]),
+                        std::bit_cast<uint32_t>(one[i]))
+                  << what << " token " << t << " row " << sh.m_begin + i;
+            }
+            for (int64_t i = rows; i < y_stride; ++i) {
+              ASSERT_EQ(gemm[t * y_stride + i], -12345.0f) << what << ": wrote beyond the range";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// GemmRows against the dequantized oracle directly (not only through MatVec), within the
+// kernels' bound, on a shape that crosses every tile of the GEMM kernels.
+TEST(QuantGemvTest, GemmRowsAgreesWithTheDequantizedOracle) {
+  std::mt19937 rng(7);
+  for (const TypeParams& tp : kTypes) {
+    const Matrix w = RandomMatrix(tp, 67, 2304, rng, 8);
+    for (int n : {11, 24}) {
+      const Activations x = QuantizedActivations(n, 2304, Q8KBlocks(2304) + 1, rng);
+      CheckAgainstOracle(w, x, 1, 67, absl::StrCat("gemm n ", n), /*gemm=*/true);
     }
   }
 }

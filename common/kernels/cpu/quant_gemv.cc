@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -328,6 +329,19 @@ QuantMatrixView QuantMatrixView::RowSlice(int64_t begin, int64_t end) const {
 QuantGemv::QuantGemv() = default;
 QuantGemv::~QuantGemv() = default;
 
+bool QuantGemmKernelsEnabled() {
+  static const bool kEnabled = [] {
+    const char* env = std::getenv("HMOE_QUANT_GEMM");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return kEnabled;
+}
+
+bool QuantGemv::GemmBlock(const QuantMatrixView&, const BlockQ8K*, int64_t, int64_t, int64_t,
+                          int64_t, float*, int64_t) const {
+  return false;
+}
+
 void QuantGemv::GemmRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
                          int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const {
   HMOE_CHECK(n >= 1);
@@ -337,6 +351,10 @@ void QuantGemv::GemmRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_
       std::clamp<int64_t>(256 * 1024 / std::max<int64_t>(w.row_stride, 1) / 16 * 16, 16, 256);
   for (int64_t r0 = m_begin; r0 < m_end; r0 += block_rows) {
     const int64_t r1 = std::min(m_end, r0 + block_rows);
+    if (QuantGemmKernelsEnabled() &&
+        GemmBlock(w, x, x_stride, n, r0, r1, y + (r0 - m_begin), y_stride)) {
+      continue;
+    }
     for (int64_t t0 = 0; t0 < n; t0 += kMaxMatVecTokens) {
       const int nt = static_cast<int>(std::min<int64_t>(kMaxMatVecTokens, n - t0));
       MatVec(w, x + t0 * x_stride, x_stride, nt, r0, r1, y + t0 * y_stride + (r0 - m_begin),

@@ -112,15 +112,28 @@ class QuantGemv {
   virtual void MatVec(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int n,
                       int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const = 0;
 
-  // Any number of tokens n >= 1 (prefill): MatVec over blocks of rows small enough to stay in L2
-  // while every group of kMaxMatVecTokens tokens passes over them. Same results as MatVec.
+  // Any number of tokens n >= 1 (prefill): over blocks of rows small enough to stay in L2, the
+  // variant's GEMM kernel where it has one for w.type (GemmBlock), else MatVec for every group of
+  // kMaxMatVecTokens tokens. Results bitwise equal to MatVec's for each token alone (the batch
+  // invariance the engine relies on: a token's KV never depends on the rest of its batch).
   void GemmRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
                 int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const;
 
  protected:
   // Out of line (quant_gemv.cc), so the ISA-specific files never emit shared inline code.
   QuantGemv();
+
+  // The variant's GEMM for rows [m_begin, m_end) (a block GemmRows chose) and n >= 1 tokens,
+  // results as MatVec's token by token: a weight block unpacked once for several tokens, the
+  // tokens' activations tiled for L1. Returns false (writing nothing) where the variant has no
+  // GEMM kernel for w.type; the default has none.
+  virtual bool GemmBlock(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
+                         int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const;
 };
+
+// Whether GemmRows uses the variants' GEMM kernels: true unless HMOE_QUANT_GEMM=0 (read once;
+// for before/after comparisons in one binary: the results are the same either way).
+bool QuantGemmKernelsEnabled();
 
 // The variant for `isa`: kScalar, kAvx2, or (kAvx512 and kAvx512Bf16 alike) the AVX-512 VNNI
 // variant. Unavailable when this CPU does not support it (AVX-512 also needs AVX512_VNNI and
