@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -295,6 +296,65 @@ TEST(QuantGemvTest, Q8KQuantizerMatchesItsDefinition) {
     // Nothing written past the last block.
     const auto* guard = reinterpret_cast<const uint8_t*>(&q[Q8KBlocks(k)]);
     for (size_t i = 0; i < sizeof(BlockQ8K); ++i) ASSERT_EQ(guard[i], 0x5a);
+  }
+}
+
+// QuantizeQ8K (vectorized where the kernels run AVX-512) bitwise against the scalar definition:
+// random data of several magnitudes, exact rounding ties (amax 127: iscale 1, values k + 0.5),
+// zero, tiny and huge blocks, lengths with a partial last block.
+TEST(QuantGemvTest, Q8KQuantizerIsBitwiseItsScalarDefinition) {
+  std::mt19937 rng(8);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (int64_t k : {256, 7168, 7200, 300, 2048}) {
+    for (float scale : {1.0f, 1e-3f, 1e30f, 1e-35f, 0.0f}) {
+      std::vector<float> x(k);
+      for (float& v : x) v = dist(rng) * scale;
+      if (k >= 512 && scale == 1.0f) {
+        // Block 1: ties at every half integer, amax exactly 127.
+        for (int i = 0; i < 256; ++i) x[256 + i] = static_cast<float>(i % 254) - 126.5f;
+        x[256 + 7] = 127.0f;
+      }
+      std::vector<BlockQ8K> got(Q8KBlocks(k)), want(Q8KBlocks(k));
+      QuantizeQ8K(x.data(), k, got.data());
+      QuantizeQ8KReference(x.data(), k, want.data());
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(BlockQ8K)), 0)
+          << "k " << k << " scale " << scale;
+    }
+  }
+}
+
+// Non-finite input is defined (quant_gemv.h): a NaN block dots to NaN, an infinite one to inf.
+TEST(QuantGemvTest, Q8KQuantizerDefinesNonFiniteInput) {
+  std::vector<float> x(768, 0.5f);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[256 + 5] = std::numeric_limits<float>::infinity();
+  x[256 + 6] = -std::numeric_limits<float>::infinity();
+  x[512 + 1] = std::numeric_limits<float>::infinity();
+  x[512 + 2] = std::numeric_limits<float>::quiet_NaN();
+  for (bool reference : {false, true}) {
+    std::vector<BlockQ8K> q(3);
+    if (reference) {
+      QuantizeQ8KReference(x.data(), 768, q.data());
+    } else {
+      QuantizeQ8K(x.data(), 768, q.data());
+    }
+    EXPECT_TRUE(std::isnan(q[0].d));
+    EXPECT_TRUE(std::isnan(q[2].d));
+    for (int i = 0; i < 256; ++i) {
+      ASSERT_EQ(q[0].qs[i], 0);
+      ASSERT_EQ(q[2].qs[i], 0);
+      ASSERT_EQ(q[1].qs[i], i == 5 ? 127 : i == 6 ? -127 : 0) << i;
+    }
+    EXPECT_TRUE(std::isinf(q[1].d) && q[1].d > 0);
+    EXPECT_EQ(q[1].bsums[0], 0);
+    // Through a kernel: the NaN block gives NaN, the infinite one inf or NaN, never a crash.
+    std::mt19937 rng(9);
+    const Matrix w = RandomMatrix(kTypes[0], 2, 768, rng);
+    for (const auto& gemv : Variants()) {
+      float y[2];
+      gemv->MatVec(w.view(), q.data(), 3, 1, 0, 2, y, 2);
+      EXPECT_TRUE(std::isnan(y[0]) && std::isnan(y[1])) << CpuIsaName(gemv->isa());
+    }
   }
 }
 

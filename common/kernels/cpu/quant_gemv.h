@@ -71,8 +71,13 @@ inline constexpr int64_t kQ8KBlockSize = 256;
 inline int64_t Q8KBlocks(int64_t k) { return (k + kQ8KBlockSize - 1) / kQ8KBlockSize; }
 
 // Quantizes x[0, k) to Q8KBlocks(k) blocks at `out` (definition above; the last block padded with
-// zeros). x must be finite.
+// zeros). Vectorized where the quantized kernels run AVX-512, bitwise QuantizeQ8KReference.
+// Non-finite input is defined, not undefined: a block holding a NaN gets d = NaN and qs = 0 (its
+// dot products are NaN); a block holding an infinity (and no NaN) gets d = +inf, qs = +-127 at
+// the infinities and 0 elsewhere (its dot products are +-inf, or NaN where weights cancel).
 void QuantizeQ8K(const float* x, int64_t k, BlockQ8K* out);
+// The scalar definition (for tests and the variants' fallback).
+void QuantizeQ8KReference(const float* x, int64_t k, BlockQ8K* out);
 
 // A read-only view of a row-major matrix of ggml blocks. Does not own memory. Row r starts at
 // data + r * row_stride and holds cols / block_size blocks of `type` (any alignment).

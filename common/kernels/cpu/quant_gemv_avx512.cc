@@ -634,4 +634,40 @@ class Avx512VnniQuantGemv final : public QuantGemv {
 
 QuantGemv* NewAvx512VnniQuantGemv() { return new Avx512VnniQuantGemv(); }
 
+void QuantizeQ8KAvx512(const float* x, int64_t k, BlockQ8K* out) {
+  const int64_t full = k / kQ8KBlockSize;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < full; ++b) {
+    const float* v = x + b * kQ8KBlockSize;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int i = 0; i < 16; ++i) {
+      const __m512 xi = _mm512_loadu_ps(v + 16 * i);
+      nan |= _mm512_cmp_ps_mask(xi, xi, _CMP_UNORD_Q);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(xi));
+    }
+    const float m = _mm512_reduce_max_ps(amax);
+    // NaN, infinity, zero and subnormal-amax blocks: the reference's special cases.
+    if (nan != 0 || !(m >= 1e-30f && m <= 3.4028234663852886e38f)) {
+      QuantizeQ8KReference(v, kQ8KBlockSize, out + b);
+      continue;
+    }
+    BlockQ8K& blk = out[b];
+    blk.d = m / 127.0f;
+    const __m512 iscale = _mm512_set1_ps(127.0f / m);
+    alignas(64) int32_t sums[16];
+    for (int i = 0; i < 16; ++i) {
+      // vcvtps2dq rounds half to even under the default MXCSR, as nearbyint does.
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + 16 * i), iscale));
+      q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(blk.qs + 16 * i), _mm512_cvtepi32_epi8(q));
+      sums[i] = _mm512_reduce_add_epi32(q);
+    }
+    for (int j = 0; j < 16; ++j) blk.bsums[j] = static_cast<int16_t>(sums[j]);
+  }
+  if (full * kQ8KBlockSize < k) {
+    QuantizeQ8KReference(x + full * kQ8KBlockSize, k - full * kQ8KBlockSize, out + full);
+  }
+}
+
 }  // namespace hmoe::cpu::internal
