@@ -32,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include <gtest/gtest.h>
 
+#include "common/kernels/cpu/quant_gemv_internal.h"
 #include "common/model/gguf_quants.h"
 
 namespace hmoe::cpu {
@@ -210,6 +211,10 @@ std::vector<std::unique_ptr<QuantGemv>> Variants() {
     } else {
       EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
     }
+  }
+  // The AVX2 variant without AVX-VNNI too (its Q8_0 GEMM takes vpdpbusd where the CPU has it).
+  if (CpuSupports(CpuIsa::kAvx2)) {
+    out.push_back(std::unique_ptr<QuantGemv>(internal::NewAvx2QuantGemv(false)));
   }
   return out;
 }

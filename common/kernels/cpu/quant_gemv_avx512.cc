@@ -266,6 +266,9 @@ constexpr int64_t kGemmRows = 64;
 struct alignas(64) GemmTile {
   __m512 acc[kGemmRows * kGemmTokens];
   float dx[kGemmKBlocks * kGemmTokens];
+  // The tile's activations, block-major: token t of block b at xt[b * kGemmTokens + t] (so a
+  // token's block is a constant displacement from the block's pointer, no index arithmetic).
+  BlockQ8K xt[kGemmKBlocks * kGemmTokens];
 };
 
 template <int N, bool kHighBits>
@@ -273,6 +276,8 @@ void GemmK4Rows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, i
                 int64_t b1, int64_t m_begin, int64_t m_end, GemmTile& tile) {
   constexpr int64_t kBlockBytes = kHighBits ? 176 : 144;
   constexpr int64_t kQsOffset = kHighBits ? 48 : 16;
+  (void)x;  // the tile holds the activations
+  (void)x_stride;
   const __m512i nibbles = Halves(kLowNibble, kHighNibble);
   const __m128i dup_mins = _mm_setr_epi8(4, 4, 5, 5, 6, 6, 7, 7, 12, 12, 13, 13, 14, 14, 15, 15);
   for (int64_t m = m_begin; m < m_end; ++m) {
@@ -304,8 +309,9 @@ void GemmK4Rows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, i
       alignas(32) float sd[kGemmTokens], smin[kGemmTokens];
       _mm256_store_ps(sd, _mm256_mul_ps(_mm256_broadcastss_ps(scales), dxv));
       _mm256_store_ps(smin, _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(scales)), dxv));
+      const BlockQ8K* xb = tile.xt + (b - b0) * kGemmTokens;
       HMOE_UNROLL for (int t = 0; t < N; ++t) {
-        const BlockQ8K& a = x[t * x_stride + b];
+        const BlockQ8K& a = xb[t];
         __m512i isum = _mm512_dpwssd_epi32(_mm512_setzero_si512(),
                                            _mm512_maddubs_epi16(q[0], Load512(a.qs)), s[0]);
         HMOE_UNROLL for (int c = 1; c < 4; ++c) {
@@ -328,6 +334,8 @@ void GemmQ6KRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, 
   const __m512i high_nibble = _mm512_set1_epi64(kHighNibble);
   const __m512i qh_lo = Halves(Bits(0, 1), Bits(2, 3));
   const __m512i qh_hi = Halves(Bits(4, 5), Bits(6, 7));
+  (void)x;  // the tile holds the activations
+  (void)x_stride;
   const __m256i minus32 = _mm256_set1_epi16(-32);
   for (int64_t m = m_begin; m < m_end; ++m) {
     const uint8_t* row = w.data + m * w.row_stride;
@@ -357,8 +365,9 @@ void GemmQ6KRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, 
       const __m256 dxv = _mm256_load_ps(tile.dx + (b - b0) * kGemmTokens);
       alignas(32) float sd[kGemmTokens];
       _mm256_store_ps(sd, _mm256_mul_ps(_mm256_set1_ps(d), dxv));
+      const BlockQ8K* xb = tile.xt + (b - b0) * kGemmTokens;
       HMOE_UNROLL for (int t = 0; t < N; ++t) {
-        const BlockQ8K& a = x[t * x_stride + b];
+        const BlockQ8K& a = xb[t];
         __m512i isum = _mm512_zextsi256_si512(_mm256_madd_epi16(offset_words, Load256(a.bsums)));
         HMOE_UNROLL for (int c = 0; c < 4; ++c) {
           isum =
@@ -380,11 +389,16 @@ struct alignas(64) GemmQ8Tile {
   static constexpr int64_t kBlocks = 32;  // Q8_0 blocks (1024 columns) per tile
   __m512 acc[kGemmRows / 2 * kGemmTokens];
   __m512i init[kBlocks * kGemmTokens];
+  // Token t's 32 activation quants of block j at xq[j][t], its d_x at dx[j][t] (j in the tile).
+  int8_t xq[kBlocks][kGemmTokens][32];
+  float dx[kBlocks][kGemmTokens];
 };
 
 template <int N>
 void GemmQ8_0Rows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t j0,
                   int64_t j1, int64_t m_begin, int64_t m_end, GemmQ8Tile& tile) {
+  (void)x;  // the tile holds the activations
+  (void)x_stride;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t m = m_begin; m < m_end; m += 2) {
     const uint8_t* row_a = w.data + m * w.row_stride;
@@ -402,11 +416,12 @@ void GemmQ8_0Rows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride,
           _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(Half(blk_a))),
                                               _mm256_castps_pd(_mm256_set1_ps(Half(blk_b))), 1));
       const __m512i* init = tile.init + (j - j0) * kGemmTokens;
+      const int8_t(*xq)[32] = tile.xq[j - j0];
+      const float* dx = tile.dx[j - j0];
       HMOE_UNROLL for (int t = 0; t < N; ++t) {
-        const BlockQ8K& a = x[t * x_stride + j / 8];
-        const __m512i dot = _mm512_dpbusd_epi32(init[t], u, Broadcast256(a.qs + (j % 8) * 32));
-        acc[t] =
-            _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(dot), acc[t]);
+        const __m512i dot = _mm512_dpbusd_epi32(init[t], u, Broadcast256(xq[t]));
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, BroadcastFrom(&dx[t])), _mm512_cvtepi32_ps(dot),
+                                 acc[t]);
       }
     }
     HMOE_UNROLL for (int t = 0; t < N; ++t) acc_out[t] = acc[t];
@@ -464,6 +479,8 @@ void GemmQ8_0(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int
             const int sum = -128 * (a.bsums[2 * (j % 8)] + a.bsums[2 * (j % 8) + 1]);
             tile.init[(j - j0) * kGemmTokens + t] =
                 _mm512_maskz_set1_epi32(static_cast<__mmask16>(0x0101), sum);
+            std::memcpy(tile.xq[j - j0][t], a.qs + (j % 8) * 32, 32);
+            tile.dx[j - j0][t] = a.d;
           }
         }
         fn(w, xt, x_stride, j0, j1, r0, r1, tile);
@@ -542,6 +559,10 @@ bool GemmK(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_
         for (int64_t b = b0; b < b1; ++b) {
           for (int t = 0; t < kGemmTokens; ++t) {
             tile.dx[(b - b0) * kGemmTokens + t] = t < nt ? xt[t * x_stride + b].d : 0.0f;
+            if (t < nt) {
+              std::memcpy(&tile.xt[(b - b0) * kGemmTokens + t], &xt[t * x_stride + b],
+                          sizeof(BlockQ8K));
+            }
           }
         }
         fn(w, xt, x_stride, b0, b1, r0, r1, tile);

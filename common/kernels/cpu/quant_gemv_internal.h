@@ -12,7 +12,8 @@
 namespace hmoe::cpu::internal {
 
 QuantGemv* NewScalarQuantGemv();
-QuantGemv* NewAvx2QuantGemv();
+// use_avx_vnni: the GEMM may use AVX-VNNI where the CPU has it (false: tests of the plain path).
+QuantGemv* NewAvx2QuantGemv(bool use_avx_vnni = true);
 QuantGemv* NewAvx512VnniQuantGemv();
 
 // The scalar MatVec (any supported type), compiled without ISA flags.
