@@ -23,7 +23,9 @@
 // q4_k_m`) runs the same BM_Decode / BM_Prefill (not the step-runner cases, whose byte count is
 // FP8's); its products with block-type weights follow HMOE_QUANT_ACTIVATIONS (q8k by default,
 // f32 for the dequantize-then-F32 path: run the binary once with each), printed as the label,
-// and the bytes of a step are the GGUF tensors' own.
+// and the bytes of a step are the GGUF tensors' own. A GGUF BM_Prefill's frac_of_peak is over the
+// int8 dot-product peak of the quantized kernels' variant (vpdpbusd zmm, or ymm under
+// HMOE_CPU_ISA=avx2); HMOE_QUANT_GEMM=0 runs GemmRows without the GEMM kernels (before/after).
 //
 // Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
 // --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark

@@ -8,6 +8,8 @@
 // best of those reads' time over the GEMV's time; timestamps are taken inside the workers.
 // BM_QuantGemvL2 runs one 64-row slice that stays in L2: the kernel's own speed without DRAM.
 // BM_QuantGemmRows: 64 tokens through GemmRows, int8 multiply-adds over the int8 dot-product peak.
+// BM_QuantGemmCpu: GemmRows (Q4_K, Q6_K, Q8_0; 64 and 512 tokens) on an L2-resident slice, timed
+// by the thread's CPU clock (robust to a loaded machine); HMOE_QUANT_GEMM=0 for the GEMV groups.
 //
 //   hmoe_quant_bench [--benchmark_filter=...] [--benchmark_repetitions=N]
 
