@@ -408,4 +408,12 @@ Mix MixOf(cpu::CpuIsa isa) {
   }
 }
 
+Mix Int8MixOf(cpu::CpuIsa isa) {
+  if (isa == cpu::CpuIsa::kAvx512 || isa == cpu::CpuIsa::kAvx512Bf16) {
+    return Mix::kInt8DotAvx512Vnni;
+  }
+  if (isa == cpu::CpuIsa::kAvx2 && MixSupported(Mix::kInt8DotAvxVnni)) return Mix::kInt8DotAvxVnni;
+  return Mix::kF32FmaAvx2;
+}
+
 }  // namespace hmoe::bench

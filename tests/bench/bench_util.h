@@ -105,5 +105,8 @@ double OpsPerInstruction(Mix m);
 float RunPeakLoop(Mix m, int64_t iters);
 // The instruction mix of an FP8 GEMV (or GEMM) variant's inner loop.
 Mix MixOf(cpu::CpuIsa isa);
+// The int8 dot-product peak for a quantized-kernel (QuantGemv) variant: vpdpbusd zmm for the
+// AVX-512 ones, vpdpbusd ymm (AVX-VNNI) for AVX2 where the CPU has it (else the FP32 FMA mix).
+Mix Int8MixOf(cpu::CpuIsa isa);
 
 }  // namespace hmoe::bench

@@ -23,7 +23,9 @@
 // q4_k_m`) runs the same BM_Decode / BM_Prefill (not the step-runner cases, whose byte count is
 // FP8's); its products with block-type weights follow HMOE_QUANT_ACTIVATIONS (q8k by default,
 // f32 for the dequantize-then-F32 path: run the binary once with each), printed as the label,
-// and the bytes of a step are the GGUF tensors' own.
+// and the bytes of a step are the GGUF tensors' own. A GGUF BM_Prefill's frac_of_peak is over the
+// int8 dot-product peak of the quantized kernels' variant (vpdpbusd zmm, or ymm under
+// HMOE_CPU_ISA=avx2); HMOE_QUANT_GEMM=0 runs GemmRows without the GEMM kernels (before/after).
 //
 // Weights are copied once into transparent-huge-page memory, as weightd holds them (pass
 // --in_place to read the checkpoint's page-cache mapping instead). Without a model the benchmark
@@ -52,6 +54,7 @@
 #include "common/engine/kv_cache.h"
 #include "common/engine/weights.h"
 #include "common/kernels/cpu/fp8_gemm.h"
+#include "common/kernels/cpu/quant_gemv.h"
 #include "common/model/checkpoint.h"
 #include "common/model/gguf_source.h"
 #include "common/model/tensor_map.h"
@@ -492,7 +495,11 @@ void BM_Prefill(benchmark::State& state) {
   }
   // The peak of the GEMM's instruction mix, by the main thread's CPU clock, right before and
   // after the prefill (the larger is used: load only lowers it).
-  const bench::Mix mix = bench::MixOf(cpu::DefaultFp8Gemm().isa());
+  // A GGUF model's products run on the quantized kernels (int8 dot products): the int8 peak of
+  // their variant (AVX-512 VNNI: vpdpbusd zmm; AVX2: the core's 256-bit vpdpbusd where it has
+  // AVX-VNNI, else the FP32 FMA peak as a stand-in).
+  const bench::Mix mix = GetSetup().gguf ? bench::Int8MixOf(cpu::DefaultQuantGemv().isa())
+                                         : bench::MixOf(cpu::DefaultFp8Gemm().isa());
   double peak = CpuPeakGflops(mix);
   double seconds = 0;
   double cpu_seconds = 0;

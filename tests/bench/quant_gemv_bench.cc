@@ -8,8 +8,12 @@
 // best of those reads' time over the GEMV's time; timestamps are taken inside the workers.
 // BM_QuantGemvL2 runs one 64-row slice that stays in L2: the kernel's own speed without DRAM.
 // BM_QuantGemmRows: 64 tokens through GemmRows, int8 multiply-adds over the int8 dot-product peak.
+// BM_QuantGemmCpu: GemmRows (Q4_K, Q6_K, Q8_0; 64 and 512 tokens) on an L2-resident slice, timed
+// by the thread's CPU clock (robust to a loaded machine); HMOE_QUANT_GEMM=0 for the GEMV groups.
 //
 //   hmoe_quant_bench [--benchmark_filter=...] [--benchmark_repetitions=N]
+
+#include <time.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -55,7 +59,8 @@ struct TypeDesc {
 const TypeDesc& Desc(uint32_t type) {
   static const TypeDesc kQ4K = {cpu::kGgmlQ4_K, "Q4_K", 144, {0, 2}};
   static const TypeDesc kQ6K = {cpu::kGgmlQ6_K, "Q6_K", 210, {208}};
-  return type == cpu::kGgmlQ4_K ? kQ4K : kQ6K;
+  static const TypeDesc kQ8_0 = {cpu::kGgmlQ8_0, "Q8_0", 34, {0}};
+  return type == cpu::kGgmlQ4_K ? kQ4K : type == cpu::kGgmlQ6_K ? kQ6K : kQ8_0;
 }
 
 // One rotation buffer per type: random quant and scale bytes, fp16 block scales set to normal
@@ -226,7 +231,63 @@ void BM_QuantGemmRows(benchmark::State& state, uint32_t type, CpuIsa isa, int n)
   state.SetLabel(absl::StrCat(std::string(cpu::CpuIsaName((*gemv)->isa())), " ", Desc(type).name));
 }
 
+double ThreadCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// The GEMM kernels' own speed, by the calling thread's CPU clock (robust to other processes on
+// the machine): GemmRows of n tokens on a 256 x 7168 slice of the rotation buffer (1 MiB of Q4_K:
+// L2-resident after the first pass), best of the iterations, over the int8 peak measured the same
+// way right before (HMOE_QUANT_GEMM=0 runs the MatVec groups instead: the before/after).
+void BM_QuantGemmCpu(benchmark::State& state, uint32_t type, CpuIsa isa, int n) {
+  auto gemv = cpu::NewQuantGemv(isa);
+  if (!gemv.ok()) {
+    state.SkipWithError(gemv.status().ToString().c_str());
+    return;
+  }
+  const Mix mix = Int8MixOf(isa);
+  double peak = 0;
+  for (int i = 0; i < 5; ++i) {
+    constexpr int64_t kIters = 1'000'000;
+    const double t0 = ThreadCpuSeconds();
+    float sink = RunPeakLoop(mix, kIters);
+    benchmark::DoNotOptimize(sink);
+    peak = std::max(peak, static_cast<double>(kIters) * kPeakAcc * OpsPerInstruction(mix) /
+                              (ThreadCpuSeconds() - t0) * 1e-9);
+  }
+  const QuantMatrixView v = Matrices(type, kGateUp)[0].RowSlice(0, 256);
+  const std::vector<BlockQ8K> x = RandomQ8K(v.cols, n);
+  std::vector<float> y(static_cast<size_t>(n) * v.rows);
+  double best = 1e30;
+  for (auto _ : state) {
+    const double t0 = ThreadCpuSeconds();
+    (*gemv)->GemmRows(v, x.data(), cpu::Q8KBlocks(v.cols), n, 0, v.rows, y.data(), v.rows);
+    best = std::min(best, ThreadCpuSeconds() - t0);
+    benchmark::DoNotOptimize(y.data());
+  }
+  const double gops = 2.0 * v.rows * v.cols * n / best * 1e-9;
+  state.counters["Gops_per_cpu_s"] = gops;
+  state.counters["int8_peak_Gops"] = peak;
+  state.counters["peak_frac"] = gops / peak;
+  state.SetLabel(absl::StrCat(std::string(cpu::CpuIsaName((*gemv)->isa())), " ", Desc(type).name,
+                              cpu::QuantGemmKernelsEnabled() ? " gemm" : " matvec-groups"));
+}
+
 void RegisterAll() {
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    for (uint32_t type : {cpu::kGgmlQ4_K, cpu::kGgmlQ6_K, cpu::kGgmlQ8_0}) {
+      for (int n : {64, 512}) {
+        benchmark::RegisterBenchmark(
+            absl::StrCat("BM_QuantGemmCpu_", std::string(cpu::CpuIsaName(isa)), "/",
+                         Desc(type).name, "/256x7168/n:", n)
+                .c_str(),
+            [=](benchmark::State& s) { BM_QuantGemmCpu(s, type, isa, n); })
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
   for (int threads : {1, 2}) {
     benchmark::RegisterBenchmark(absl::StrCat("BM_ReadKernels/threads:", threads).c_str(),
                                  [=](benchmark::State& s) {

@@ -18,10 +18,12 @@
 #include "common/kernels/cpu/quant_gemv.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -30,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include <gtest/gtest.h>
 
+#include "common/kernels/cpu/quant_gemv_internal.h"
 #include "common/model/gguf_quants.h"
 
 namespace hmoe::cpu {
@@ -209,13 +212,18 @@ std::vector<std::unique_ptr<QuantGemv>> Variants() {
       EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable) << g.status();
     }
   }
+  // The AVX2 variant without AVX-VNNI too (its Q8_0 GEMM takes vpdpbusd where the CPU has it).
+  if (CpuSupports(CpuIsa::kAvx2)) {
+    out.push_back(std::unique_ptr<QuantGemv>(internal::NewAvx2QuantGemv(false)));
+  }
   return out;
 }
 
 // Runs every variant on rows [m_begin, m_end) of `w` for all tokens of `x` and compares each
 // output with the oracle within the bound.
+// With `gemm`, through GemmRows (any number of tokens) instead of MatVec.
 void CheckAgainstOracle(const Matrix& w, const Activations& x, int64_t m_begin, int64_t m_end,
-                        const std::string& what) {
+                        const std::string& what, bool gemm = false) {
   const int64_t rows = m_end - m_begin;
   const int64_t y_stride = rows + 3;
   std::vector<double> want(x.n * rows), tol(x.n * rows);
@@ -236,7 +244,11 @@ void CheckAgainstOracle(const Matrix& w, const Activations& x, int64_t m_begin, 
   }
   for (const auto& gemv : Variants()) {
     std::vector<float> y(x.n * y_stride, -12345.0f);
-    gemv->MatVec(w.view(), x.blocks.data(), x.stride, x.n, m_begin, m_end, y.data(), y_stride);
+    if (gemm) {
+      gemv->GemmRows(w.view(), x.blocks.data(), x.stride, x.n, m_begin, m_end, y.data(), y_stride);
+    } else {
+      gemv->MatVec(w.view(), x.blocks.data(), x.stride, x.n, m_begin, m_end, y.data(), y_stride);
+    }
     for (int t = 0; t < x.n; ++t) {
       for (int64_t i = 0; i < rows; ++i) {
         ASSERT_NEAR(y[t * y_stride + i], want[t * rows + i], tol[t * rows + i])
@@ -289,6 +301,65 @@ TEST(QuantGemvTest, Q8KQuantizerMatchesItsDefinition) {
     // Nothing written past the last block.
     const auto* guard = reinterpret_cast<const uint8_t*>(&q[Q8KBlocks(k)]);
     for (size_t i = 0; i < sizeof(BlockQ8K); ++i) ASSERT_EQ(guard[i], 0x5a);
+  }
+}
+
+// QuantizeQ8K (vectorized where the kernels run AVX-512) bitwise against the scalar definition:
+// random data of several magnitudes, exact rounding ties (amax 127: iscale 1, values k + 0.5),
+// zero, tiny and huge blocks, lengths with a partial last block.
+TEST(QuantGemvTest, Q8KQuantizerIsBitwiseItsScalarDefinition) {
+  std::mt19937 rng(8);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (int64_t k : {256, 7168, 7200, 300, 2048}) {
+    for (float scale : {1.0f, 1e-3f, 1e30f, 1e-35f, 0.0f}) {
+      std::vector<float> x(k);
+      for (float& v : x) v = dist(rng) * scale;
+      if (k >= 512 && scale == 1.0f) {
+        // Block 1: ties at every half integer, amax exactly 127.
+        for (int i = 0; i < 256; ++i) x[256 + i] = static_cast<float>(i % 254) - 126.5f;
+        x[256 + 7] = 127.0f;
+      }
+      std::vector<BlockQ8K> got(Q8KBlocks(k)), want(Q8KBlocks(k));
+      QuantizeQ8K(x.data(), k, got.data());
+      QuantizeQ8KReference(x.data(), k, want.data());
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(BlockQ8K)), 0)
+          << "k " << k << " scale " << scale;
+    }
+  }
+}
+
+// Non-finite input is defined (quant_gemv.h): a NaN block dots to NaN, an infinite one to inf.
+TEST(QuantGemvTest, Q8KQuantizerDefinesNonFiniteInput) {
+  std::vector<float> x(768, 0.5f);
+  x[3] = std::numeric_limits<float>::quiet_NaN();
+  x[256 + 5] = std::numeric_limits<float>::infinity();
+  x[256 + 6] = -std::numeric_limits<float>::infinity();
+  x[512 + 1] = std::numeric_limits<float>::infinity();
+  x[512 + 2] = std::numeric_limits<float>::quiet_NaN();
+  for (bool reference : {false, true}) {
+    std::vector<BlockQ8K> q(3);
+    if (reference) {
+      QuantizeQ8KReference(x.data(), 768, q.data());
+    } else {
+      QuantizeQ8K(x.data(), 768, q.data());
+    }
+    EXPECT_TRUE(std::isnan(q[0].d));
+    EXPECT_TRUE(std::isnan(q[2].d));
+    for (int i = 0; i < 256; ++i) {
+      ASSERT_EQ(q[0].qs[i], 0);
+      ASSERT_EQ(q[2].qs[i], 0);
+      ASSERT_EQ(q[1].qs[i], i == 5 ? 127 : i == 6 ? -127 : 0) << i;
+    }
+    EXPECT_TRUE(std::isinf(q[1].d) && q[1].d > 0);
+    EXPECT_EQ(q[1].bsums[0], 0);
+    // Through a kernel: the NaN block gives NaN, the infinite one inf or NaN, never a crash.
+    std::mt19937 rng(9);
+    const Matrix w = RandomMatrix(kTypes[0], 2, 768, rng);
+    for (const auto& gemv : Variants()) {
+      float y[2];
+      gemv->MatVec(w.view(), q.data(), 3, 1, 0, 2, y, 2);
+      EXPECT_TRUE(std::isnan(y[0]) && std::isnan(y[1])) << CpuIsaName(gemv->isa());
+    }
   }
 }
 
@@ -383,6 +454,70 @@ TEST(QuantGemvTest, GemmRowsEqualsMatVecPerToken) {
           ASSERT_EQ(gemm[t * 290 + i], one[i]) << CpuIsaName(gemv->isa()) << " " << tp.name;
         }
       }
+    }
+  }
+}
+
+// The GEMM kernels (GemmRows: AVX-512's for the K types, MatVec groups elsewhere) against each
+// variant's own MatVec of one token, bitwise, over ragged shapes: token counts around the token
+// tile (8) up to 601, row ranges across the 64-row tile and not starting at 0, column counts
+// across the 8-block tile, a padded row stride, an activation stride above the minimum; rows
+// outside the range and padding between outputs untouched.
+TEST(QuantGemvTest, GemmRowsIsBitwiseMatVecPerTokenOnRaggedShapes) {
+  std::mt19937 rng(6);
+  struct Shape {
+    int64_t rows, cols_blocks, m_begin, m_end, pad;
+    std::vector<int> tokens;
+  };
+  const std::vector<Shape> shapes = {
+      {1, 1, 0, 1, 0, {1, 9, 64}},
+      {131, 9, 2, 130, 16, {1, 7, 8, 9, 17, 33}},
+      {70, 17, 0, 70, 0, {2, 15, 16, 65}},
+      {66, 4, 1, 66, 0, {601}},
+  };
+  for (const TypeParams& tp : kTypes) {
+    for (const Shape& sh : shapes) {
+      // Q8_0 / Q5_0: 8 blocks of 32 per "K block", so both kinds see the same row lengths.
+      const int64_t cols = sh.cols_blocks * 256;
+      const Matrix w = RandomMatrix(tp, sh.rows, cols, rng, sh.pad);
+      for (int n : sh.tokens) {
+        const int64_t x_stride = Q8KBlocks(cols) + (n % 2);
+        const Activations x = QuantizedActivations(n, cols, x_stride, rng);
+        const int64_t rows = sh.m_end - sh.m_begin;
+        const int64_t y_stride = rows + 5;
+        for (const auto& gemv : Variants()) {
+          const std::string what = absl::StrCat(std::string(CpuIsaName(gemv->isa())), " ", tp.name,
+                                                " rows ", sh.rows, " cols ", cols, " n ", n);
+          std::vector<float> gemm(n * y_stride, -12345.0f), one(y_stride, -12345.0f);
+          gemv->GemmRows(w.view(), x.blocks.data(), x.stride, n, sh.m_begin, sh.m_end, gemm.data(),
+                         y_stride);
+          for (int t = 0; t < n; ++t) {
+            gemv->MatVec(w.view(), x.token(t), x.stride, 1, sh.m_begin, sh.m_end, one.data(),
+                         y_stride);
+            for (int64_t i = 0; i < rows; ++i) {
+              ASSERT_EQ(std::bit_cast<uint32_t>(gemm[t * y_stride + i]),
+                        std::bit_cast<uint32_t>(one[i]))
+                  << what << " token " << t << " row " << sh.m_begin + i;
+            }
+            for (int64_t i = rows; i < y_stride; ++i) {
+              ASSERT_EQ(gemm[t * y_stride + i], -12345.0f) << what << ": wrote beyond the range";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// GemmRows against the dequantized oracle directly (not only through MatVec), within the
+// kernels' bound, on a shape that crosses every tile of the GEMM kernels.
+TEST(QuantGemvTest, GemmRowsAgreesWithTheDequantizedOracle) {
+  std::mt19937 rng(7);
+  for (const TypeParams& tp : kTypes) {
+    const Matrix w = RandomMatrix(tp, 67, 2304, rng, 8);
+    for (int n : {11, 24}) {
+      const Activations x = QuantizedActivations(n, 2304, Q8KBlocks(2304) + 1, rng);
+      CheckAgainstOracle(w, x, 1, 67, absl::StrCat("gemm n ", n), /*gemm=*/true);
     }
   }
 }

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -257,22 +259,40 @@ void ScalarQuantMatVec(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_st
 
 bool QuantGemvSupportsType(uint32_t type) { return InfoOf(type).block != 0; }
 
-void QuantizeQ8K(const float* x, int64_t k, BlockQ8K* out) {
+void QuantizeQ8KReference(const float* x, int64_t k, BlockQ8K* out) {
   for (int64_t b = 0; b < Q8KBlocks(k); ++b) {
     const float* v = x + b * kQ8KBlockSize;
     const int64_t len = std::min<int64_t>(kQ8KBlockSize, k - b * kQ8KBlockSize);
     BlockQ8K& blk = out[b];
     float amax = 0.0f;
-    for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(v[i]));
+    bool nan = false;
+    for (int64_t i = 0; i < len; ++i) {
+      nan = nan || std::isnan(v[i]);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
     std::memset(blk.qs, 0, sizeof(blk.qs));
-    if (amax == 0.0f) {
+    if (nan) {
+      // Deterministic instead of undefined (a NaN cast to int8): the block dots to NaN.
+      blk.d = std::numeric_limits<float>::quiet_NaN();
+    } else if (std::isinf(amax)) {
+      // The infinities as +-127 at d = inf, the finite values 0: dots are +-inf (or NaN where
+      // weights cancel them), as F32 arithmetic would give.
+      blk.d = amax;
+      for (int64_t i = 0; i < len; ++i) {
+        if (std::isinf(v[i])) blk.qs[i] = static_cast<int8_t>(v[i] > 0 ? 127 : -127);
+      }
+    } else if (amax == 0.0f) {
       blk.d = 0.0f;
     } else {
       blk.d = amax / 127.0f;
       const float iscale = 127.0f / amax;
       for (int64_t i = 0; i < len; ++i) {
-        // |x * iscale| <= 127 up to one rounding; the clamp keeps an overshoot to 127.
-        const float q = std::nearbyint(v[i] * iscale);
+        // |x * iscale| <= 127 up to one rounding; the clamp keeps an overshoot to 127. An amax
+        // below 127 / FLT_MAX (subnormal) overflows iscale: then the quotient in double.
+        const float q =
+            std::isinf(iscale)
+                ? static_cast<float>(std::nearbyint(static_cast<double>(v[i]) * 127.0 / amax))
+                : std::nearbyint(v[i] * iscale);
         blk.qs[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
       }
     }
@@ -281,6 +301,17 @@ void QuantizeQ8K(const float* x, int64_t k, BlockQ8K* out) {
       for (int i = 0; i < 16; ++i) sum += blk.qs[16 * j + i];
       blk.bsums[j] = static_cast<int16_t>(sum);
     }
+  }
+}
+
+void QuantizeQ8K(const float* x, int64_t k, BlockQ8K* out) {
+  // The AVX-512 quantizer where the quantized kernels run AVX-512 (not under HMOE_CPU_ISA=avx2,
+  // which stands for a CPU without it); bitwise the same blocks either way.
+  static const bool kAvx512 = DefaultQuantGemv().isa() == CpuIsa::kAvx512;
+  if (kAvx512) {
+    internal::QuantizeQ8KAvx512(x, k, out);
+  } else {
+    QuantizeQ8KReference(x, k, out);
   }
 }
 
@@ -328,6 +359,19 @@ QuantMatrixView QuantMatrixView::RowSlice(int64_t begin, int64_t end) const {
 QuantGemv::QuantGemv() = default;
 QuantGemv::~QuantGemv() = default;
 
+bool QuantGemmKernelsEnabled() {
+  static const bool kEnabled = [] {
+    const char* env = std::getenv("HMOE_QUANT_GEMM");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return kEnabled;
+}
+
+bool QuantGemv::GemmBlock(const QuantMatrixView&, const BlockQ8K*, int64_t, int64_t, int64_t,
+                          int64_t, float*, int64_t) const {
+  return false;
+}
+
 void QuantGemv::GemmRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
                          int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const {
   HMOE_CHECK(n >= 1);
@@ -337,6 +381,10 @@ void QuantGemv::GemmRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_
       std::clamp<int64_t>(256 * 1024 / std::max<int64_t>(w.row_stride, 1) / 16 * 16, 16, 256);
   for (int64_t r0 = m_begin; r0 < m_end; r0 += block_rows) {
     const int64_t r1 = std::min(m_end, r0 + block_rows);
+    if (QuantGemmKernelsEnabled() &&
+        GemmBlock(w, x, x_stride, n, r0, r1, y + (r0 - m_begin), y_stride)) {
+      continue;
+    }
     for (int64_t t0 = 0; t0 < n; t0 += kMaxMatVecTokens) {
       const int nt = static_cast<int>(std::min<int64_t>(kMaxMatVecTokens, n - t0));
       MatVec(w, x + t0 * x_stride, x_stride, nt, r0, r1, y + t0 * y_stride + (r0 - m_begin),

@@ -71,8 +71,13 @@ inline constexpr int64_t kQ8KBlockSize = 256;
 inline int64_t Q8KBlocks(int64_t k) { return (k + kQ8KBlockSize - 1) / kQ8KBlockSize; }
 
 // Quantizes x[0, k) to Q8KBlocks(k) blocks at `out` (definition above; the last block padded with
-// zeros). x must be finite.
+// zeros). Vectorized where the quantized kernels run AVX-512, bitwise QuantizeQ8KReference.
+// Non-finite input is defined, not undefined: a block holding a NaN gets d = NaN and qs = 0 (its
+// dot products are NaN); a block holding an infinity (and no NaN) gets d = +inf, qs = +-127 at
+// the infinities and 0 elsewhere (its dot products are +-inf, or NaN where weights cancel).
 void QuantizeQ8K(const float* x, int64_t k, BlockQ8K* out);
+// The scalar definition (for tests and the variants' fallback).
+void QuantizeQ8KReference(const float* x, int64_t k, BlockQ8K* out);
 
 // A read-only view of a row-major matrix of ggml blocks. Does not own memory. Row r starts at
 // data + r * row_stride and holds cols / block_size blocks of `type` (any alignment).
@@ -112,15 +117,28 @@ class QuantGemv {
   virtual void MatVec(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int n,
                       int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const = 0;
 
-  // Any number of tokens n >= 1 (prefill): MatVec over blocks of rows small enough to stay in L2
-  // while every group of kMaxMatVecTokens tokens passes over them. Same results as MatVec.
+  // Any number of tokens n >= 1 (prefill): over blocks of rows small enough to stay in L2, the
+  // variant's GEMM kernel where it has one for w.type (GemmBlock), else MatVec for every group of
+  // kMaxMatVecTokens tokens. Results bitwise equal to MatVec's for each token alone (the batch
+  // invariance the engine relies on: a token's KV never depends on the rest of its batch).
   void GemmRows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
                 int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const;
 
  protected:
   // Out of line (quant_gemv.cc), so the ISA-specific files never emit shared inline code.
   QuantGemv();
+
+  // The variant's GEMM for rows [m_begin, m_end) (a block GemmRows chose) and n >= 1 tokens,
+  // results as MatVec's token by token: a weight block unpacked once for several tokens, the
+  // tokens' activations tiled for L1. Returns false (writing nothing) where the variant has no
+  // GEMM kernel for w.type; the default has none.
+  virtual bool GemmBlock(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
+                         int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const;
 };
+
+// Whether GemmRows uses the variants' GEMM kernels: true unless HMOE_QUANT_GEMM=0 (read once;
+// for before/after comparisons in one binary: the results are the same either way).
+bool QuantGemmKernelsEnabled();
 
 // The variant for `isa`: kScalar, kAvx2, or (kAvx512 and kAvx512Bf16 alike) the AVX-512 VNNI
 // variant. Unavailable when this CPU does not support it (AVX-512 also needs AVX512_VNNI and

@@ -228,8 +228,142 @@ RowsFn RowsFor(uint32_t type) {
   }
 }
 
+// ---- GEMM for Q8_0 (QuantGemv::GemmRows)
+// ---------------------------------------------------------
+//
+// RowsQ8_0's arithmetic per (row, token), so bitwise its result: per 32-weight block one ymm of 8
+// exact int32 sums of 4 products each (|w| * sign(x, w): vpmaddubsw + vpmaddwd, or, where the CPU
+// has AVX-VNNI, one vpdpbusd, the same sums: no pair sum of vpmaddubsw saturates), then
+// acc += (d_w * d_x) * float(sums) in 8 lanes. For 8 tokens per weight block: |w| once, d_w * d_x
+// one vector multiply for the 8 tokens, broadcast to the FMA from memory (inline asm: GCC
+// otherwise broadcasts on the shuffle port); the tokens' activations tiled 32 blocks deep (8 KB,
+// in L1 while 64 rows pass), the accumulators parked between tiles (blocks still in order).
+constexpr int kGemmTokens = 8;
+constexpr int64_t kGemmRows = 64;
+constexpr int64_t kGemmBlocks = 32;  // Q8_0 blocks per tile (4 Q8_K blocks)
+
+struct alignas(64) GemmQ8Tile {
+  __m256 acc[kGemmRows * kGemmTokens];
+  float dx[kGemmBlocks / 8 * kGemmTokens];  // d_x of token t of Q8_K block jb: dx[jb * 8 + t]
+  int8_t xq[kGemmBlocks][kGemmTokens][32];  // token t's quants of block j (in the tile): xq[j][t]
+};
+
+HMOE_QAVX2_INLINE __m256 BroadcastFrom(const float* p) {
+  __m256 r;
+  asm("vbroadcastss %1, %0" : "=x"(r) : "m"(*p));
+  return r;
+}
+
+#define HMOE_GEMM_Q8_0_BODY(DOT)                                                                \
+  const __m256i ones = _mm256_set1_epi16(1);                                                    \
+  (void)x;                                                                                      \
+  (void)x_stride;                                                                               \
+  (void)ones;                                                                                   \
+  for (int64_t m = m_begin; m < m_end; ++m) {                                                   \
+    const uint8_t* row = w.data + m * w.row_stride;                                             \
+    __m256* acc_out = tile.acc + (m - m_begin) * kGemmTokens;                                   \
+    __m256 acc[N];                                                                              \
+    HMOE_UNROLL for (int t = 0; t < N; ++t) acc[t] = acc_out[t];                                \
+    for (int64_t j = j0; j < j1; ++j) {                                                         \
+      const uint8_t* blk = row + j * 34;                                                        \
+      const __m256i q = Load(blk + 2);                                                          \
+      const __m256i aq = _mm256_abs_epi8(q);                                                    \
+      alignas(32) float sd[kGemmTokens];                                                        \
+      _mm256_store_ps(sd, _mm256_mul_ps(_mm256_set1_ps(Half(blk)),                              \
+                                        _mm256_load_ps(tile.dx + (j - j0) / 8 * kGemmTokens))); \
+      HMOE_UNROLL for (int t = 0; t < N; ++t) {                                                 \
+        const __m256i sx = _mm256_sign_epi8(Load(tile.xq[j - j0][t]), q);                       \
+        const __m256i dot = DOT;                                                                \
+        acc[t] = _mm256_fmadd_ps(BroadcastFrom(&sd[t]), _mm256_cvtepi32_ps(dot), acc[t]);       \
+      }                                                                                         \
+    }                                                                                           \
+    HMOE_UNROLL for (int t = 0; t < N; ++t) acc_out[t] = acc[t];                                \
+  }
+
+template <int N>
+void GemmQ8_0Rows(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t j0,
+                  int64_t j1, int64_t m_begin, int64_t m_end, GemmQ8Tile& tile) {
+  HMOE_GEMM_Q8_0_BODY(_mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones))
+}
+
+template <int N>
+__attribute__((target("avxvnni"))) void GemmQ8_0RowsVnni(const QuantMatrixView& w,
+                                                         const BlockQ8K* x, int64_t x_stride,
+                                                         int64_t j0, int64_t j1, int64_t m_begin,
+                                                         int64_t m_end, GemmQ8Tile& tile) {
+  HMOE_GEMM_Q8_0_BODY(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aq, sx))
+}
+
+#undef HMOE_GEMM_Q8_0_BODY
+
+using GemmQ8RowsFn = void (*)(const QuantMatrixView&, const BlockQ8K*, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, GemmQ8Tile&);
+
+template <int N>
+GemmQ8RowsFn GemmQ8RowsFor(bool vnni) {
+  return vnni ? GemmQ8_0RowsVnni<N> : GemmQ8_0Rows<N>;
+}
+
+GemmQ8RowsFn GemmQ8RowsForTokens(int n, bool vnni) {
+  switch (n) {
+    case 1:
+      return GemmQ8RowsFor<1>(vnni);
+    case 2:
+      return GemmQ8RowsFor<2>(vnni);
+    case 3:
+      return GemmQ8RowsFor<3>(vnni);
+    case 4:
+      return GemmQ8RowsFor<4>(vnni);
+    case 5:
+      return GemmQ8RowsFor<5>(vnni);
+    case 6:
+      return GemmQ8RowsFor<6>(vnni);
+    case 7:
+      return GemmQ8RowsFor<7>(vnni);
+    default:
+      return GemmQ8RowsFor<8>(vnni);
+  }
+}
+
+void GemmQ8_0(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
+              int64_t m_begin, int64_t m_end, float* y, int64_t y_stride, bool vnni) {
+  const int64_t nb = w.cols / 32;
+  GemmQ8Tile tile;
+  for (int64_t r0 = m_begin; r0 < m_end; r0 += kGemmRows) {
+    const int64_t r1 = r0 + kGemmRows < m_end ? r0 + kGemmRows : m_end;
+    for (int64_t t0 = 0; t0 < n; t0 += kGemmTokens) {
+      const int nt = static_cast<int>(n - t0 < kGemmTokens ? n - t0 : kGemmTokens);
+      const BlockQ8K* xt = x + t0 * x_stride;
+      const GemmQ8RowsFn fn = GemmQ8RowsForTokens(nt, vnni);
+      for (int64_t i = 0; i < (r1 - r0) * kGemmTokens; ++i) tile.acc[i] = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < nb; j0 += kGemmBlocks) {
+        const int64_t j1 = j0 + kGemmBlocks < nb ? j0 + kGemmBlocks : nb;
+        for (int64_t jb = j0 / 8; jb * 8 < j1; ++jb) {
+          for (int t = 0; t < kGemmTokens; ++t) {
+            tile.dx[(jb - j0 / 8) * kGemmTokens + t] = t < nt ? xt[t * x_stride + jb].d : 0.0f;
+          }
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          for (int t = 0; t < nt; ++t) {
+            std::memcpy(tile.xq[j - j0][t], xt[t * x_stride + j / 8].qs + (j % 8) * 32, 32);
+          }
+        }
+        fn(w, xt, x_stride, j0, j1, r0, r1, tile);
+      }
+      for (int t = 0; t < nt; ++t) {
+        for (int64_t m = r0; m < r1; ++m) {
+          y[(t0 + t) * y_stride + (m - m_begin)] =
+              HorizontalSum(tile.acc[(m - r0) * kGemmTokens + t]);
+        }
+      }
+    }
+  }
+}
+
 class Avx2QuantGemv final : public QuantGemv {
  public:
+  explicit Avx2QuantGemv(bool use_avx_vnni)
+      : vnni_(use_avx_vnni && __builtin_cpu_supports("avxvnni")) {}
   CpuIsa isa() const override { return CpuIsa::kAvx2; }
 
   void MatVec(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int n, int64_t m_begin,
@@ -268,10 +402,21 @@ class Avx2QuantGemv final : public QuantGemv {
     }
     fn(w, x, x_stride, m_begin, m_end, y, y_stride);
   }
+
+ protected:
+  bool GemmBlock(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t n,
+                 int64_t m_begin, int64_t m_end, float* y, int64_t y_stride) const override {
+    if (w.type != kGgmlQ8_0) return false;
+    GemmQ8_0(w, x, x_stride, n, m_begin, m_end, y, y_stride, vnni_);
+    return true;
+  }
+
+ private:
+  const bool vnni_;  // the Q8_0 GEMM's dot products by AVX-VNNI vpdpbusd (same sums)
 };
 
 }  // namespace
 
-QuantGemv* NewAvx2QuantGemv() { return new Avx2QuantGemv(); }
+QuantGemv* NewAvx2QuantGemv(bool use_avx_vnni) { return new Avx2QuantGemv(use_avx_vnni); }
 
 }  // namespace hmoe::cpu::internal
