@@ -212,6 +212,11 @@ void PrefixCache::Insert(std::span<const int32_t> tokens, const KvSequence& seq,
   EvictToBudget();
 }
 
+void PrefixCache::TrimToBudget() {
+  std::lock_guard<std::mutex> lock(mu_);
+  EvictToBudget();
+}
+
 bool PrefixCache::EvictForFree(int64_t free_blocks) {
   std::lock_guard<std::mutex> lock(mu_);
   while (kv_.num_free_blocks() < free_blocks) {

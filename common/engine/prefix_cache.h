@@ -82,6 +82,9 @@ class PrefixCache {
   // Evicts unused leaves, least recently used first, until the pool has `free_blocks` free blocks
   // or nothing more can be evicted; true when the pool has them.
   bool EvictForFree(int64_t free_blocks);
+  // Evicts unused leaves down to the budget (Insert does too, but the blocks a sequence still
+  // held then could not go: call it when a sequence lets its blocks go).
+  void TrimToBudget();
   // Blocks the tree holds that no sequence uses (all of them could be evicted now).
   int64_t evictable_blocks() const;
 
