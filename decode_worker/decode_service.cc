@@ -44,6 +44,7 @@ absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, Kv
   r.sampling.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   r.sampling.ignore_eos = p.ignore_eos();
   r.use_prefix_cache = !p.no_prefix_cache();
+  r.kv_cacheable = p.kv_cacheable();
   if (p.has_kv_handle()) {
     const v1::KvHandle& h = p.kv_handle();
     KvHandleSpec spec;
@@ -212,6 +213,10 @@ rpc::WorkerLoadReport SchedulerLoadReport(const Scheduler& scheduler) {
   r.kv_blocks_free = s.kv_blocks_free;
   r.kv_blocks_total = s.kv_blocks_total;
   r.tokens_per_second = s.tokens_per_second;
+  r.prefix_cache_tokens = s.prefix_cache.cached_tokens;
+  r.prefix_cache_hit_tokens = s.prefix_cache.hit_tokens;
+  r.prefix_cache_hits = s.prefix_cache.hits;
+  r.prefix_cache_evicted_blocks = s.prefix_cache.evicted_blocks;
   return r;
 }
 

@@ -118,6 +118,8 @@ KvHandoffShape ForwardPassStepEngine::kv_handoff_shape() const {
 
 absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewSequence(
     int64_t reserve_tokens) {
+  // Cached blocks give way: a request that opts out of the cache must not wait on it.
+  if (prefix_ != nullptr) prefix_->EvictForFree(CeilDiv(reserve_tokens, kv_->config().block_size));
   KvSequence seq = kv_->NewSequence();
   HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
   return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq), prefix_.get()));

@@ -36,6 +36,8 @@ struct GenerationRequest {
   // Reuse the prefix cache for the prompt and offer the request's KV to it when it finishes
   // (docs/decode_worker.md "Prefix cache"); false: prefill the whole prompt, offer nothing.
   bool use_prefix_cache = true;
+  // With `kv`: the imported KV may join the prefix cache (AdmitRequest.kv_cacheable).
+  bool kv_cacheable = false;
 
   // Whether the request starts from a KV hand-off (also after the scheduler released `kv`).
   bool has_kv() const { return kv != nullptr || kv_num_tokens > 0; }

@@ -520,6 +520,9 @@ void Scheduler::SampleAndEmit(Active& a, const std::vector<float>& logits, int64
 
 void Scheduler::OfferPrefix(Active& a, bool finished) {
   if (!a.request.use_prefix_cache || a.sequence == nullptr || a.request.prompt.empty()) return;
+  // Imported KV is another path's arithmetic: reusing it would not give the tokens of prefilling
+  // here unless the path is bit-identical, which the caller says.
+  if (a.request.has_kv() && !a.request.kv_cacheable) return;
   // The sequence holds the prompt, then the generated tokens fed back (all but the last sampled).
   std::vector<int32_t> tokens = a.request.prompt;
   if (finished) {

@@ -536,26 +536,42 @@ TEST_F(PrefixCacheEngineTest, ConcurrentRequestsShareAndExtendARunningPrefix) {
   EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
 }
 
-// Opting out reuses nothing and offers nothing.
-TEST_F(PrefixCacheEngineTest, ARequestCanOptOut) {
-  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
+// Opting out reuses nothing and offers nothing; cached blocks filling the pool give way to new
+// requests, opted out or not.
+TEST_F(PrefixCacheEngineTest, ARequestCanOptOutAndCachedBlocksGiveWay) {
+  // 32 blocks of 16 tokens: three cached 150-token requests hold 30 of them.
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 32, 32);
   ASSERT_NE(engine, nullptr);
   SchedulerOptions so;
   so.batch_size = 6;
   so.chunk_size = 64;
   auto scheduler = Scheduler::Create(*engine, so);
   ASSERT_TRUE(scheduler.ok()) << scheduler.status();
-  const std::vector<int32_t> prompt = Prompt(100, 61);
+  auto run = [&](GenerationRequest r) {
+    auto ch = (*scheduler)->Submit(std::move(r));
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    return ch.ok() ? Collect(**ch) : Result{};
+  };
+  for (int i = 0; i < 3; ++i) run(Greedy(absl::StrCat("fill", i), Prompt(150, 70 + i), kNew));
+  EXPECT_GE((*scheduler)->stats().prefix_cache.cached_blocks, 27);
+  const std::vector<int32_t> prompt = Prompt(300, 61);  // 20 blocks with its 8 new tokens
   for (int i = 0; i < 2; ++i) {
     GenerationRequest r = Greedy(absl::StrCat("off", i), prompt, kNew);
     r.use_prefix_cache = false;
-    auto ch = (*scheduler)->Submit(std::move(r));
-    ASSERT_TRUE(ch.ok()) << ch.status();
-    Result res = Collect(**ch);
+    Result res = run(std::move(r));
+    ASSERT_EQ(res.finish.reason, FinishReason::kLength) << res.finish.error;
     EXPECT_EQ(res.finish.cached_tokens, 0);
+    EXPECT_EQ(res.tokens, Expected(prompt));
   }
-  EXPECT_EQ((*scheduler)->stats().prefix_cache.cached_blocks, 0);
-  EXPECT_EQ((*scheduler)->stats().prefix_cache.lookups, 0);
+  const SchedulerStats st = (*scheduler)->stats();
+  EXPECT_EQ(st.prefix_cache.lookups, 3);
+  EXPECT_GT(st.prefix_cache.evicted_blocks, 0);
+  // Nothing of the opted-out prompt was kept.
+  EXPECT_EQ(engine->CachedPrefixTokens(prompt), 0);
+  // A cached request that needs most of the pool evicts the rest too.
+  Result big = run(Greedy("big", Prompt(480, 62), kNew));
+  ASSERT_EQ(big.finish.reason, FinishReason::kLength) << big.finish.error;
+  EXPECT_EQ(big.tokens, Expected(Prompt(480, 62)));
 }
 
 }  // namespace
