@@ -43,6 +43,8 @@ absl::StatusOr<GenerationRequest> RequestFromProto(const v1::AdmitRequest& p, Kv
   r.sampling.max_new_tokens = p.max_new_tokens();
   r.sampling.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   r.sampling.ignore_eos = p.ignore_eos();
+  r.use_prefix_cache = !p.no_prefix_cache();
+  r.kv_cacheable = p.kv_cacheable();
   if (p.has_kv_handle()) {
     const v1::KvHandle& h = p.kv_handle();
     KvHandleSpec spec;
@@ -94,6 +96,7 @@ v1::AdmitResponse EventToProto(const RequestEvent& event) {
     p->mutable_usage()->set_prompt_tokens(f.prompt_tokens);
     p->mutable_usage()->set_completion_tokens(f.completion_tokens);
     p->mutable_usage()->set_imported_tokens(f.imported_tokens);
+    p->mutable_usage()->set_cached_tokens(f.cached_tokens);
     p->mutable_timing()->set_queue_us(f.queue_us);
     p->mutable_timing()->set_first_token_us(f.first_token_us);
     p->mutable_timing()->set_total_us(f.total_us);
@@ -180,6 +183,22 @@ grpc::Status DecodeServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
     response->set_step_fixed_us(s.step_cost->fixed_us);
     response->set_step_per_token_us(s.step_cost->per_token_us);
   }
+  response->set_prefix_cache_max_blocks(s.prefix_cache.max_blocks);
+  response->set_prefix_cache_blocks(s.prefix_cache.cached_blocks);
+  response->set_prefix_cache_tokens(s.prefix_cache.cached_tokens);
+  response->set_prefix_cache_lookups(s.prefix_cache.lookups);
+  response->set_prefix_cache_hits(s.prefix_cache.hits);
+  response->set_prefix_cache_hit_tokens(s.prefix_cache.hit_tokens);
+  response->set_prefix_cache_evicted_blocks(s.prefix_cache.evicted_blocks);
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeServiceImpl::MatchPrefix(grpc::ServerContext* /*context*/,
+                                            const v1::MatchPrefixRequest* request,
+                                            v1::MatchPrefixResponse* response) {
+  const std::span<const int32_t> prompt(request->prompt_token_ids().data(),
+                                        static_cast<size_t>(request->prompt_token_ids_size()));
+  response->set_cached_tokens(engine_->CachedPrefixTokens(prompt));
   return grpc::Status::OK;
 }
 
@@ -194,6 +213,10 @@ rpc::WorkerLoadReport SchedulerLoadReport(const Scheduler& scheduler) {
   r.kv_blocks_free = s.kv_blocks_free;
   r.kv_blocks_total = s.kv_blocks_total;
   r.tokens_per_second = s.tokens_per_second;
+  r.prefix_cache_tokens = s.prefix_cache.cached_tokens;
+  r.prefix_cache_hit_tokens = s.prefix_cache.hit_tokens;
+  r.prefix_cache_hits = s.prefix_cache.hits;
+  r.prefix_cache_evicted_blocks = s.prefix_cache.evicted_blocks;
   return r;
 }
 

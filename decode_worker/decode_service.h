@@ -47,6 +47,8 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
                       v1::CancelResponse* response) override;
   grpc::Status GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* request,
                          v1::WorkerStatus* response) override;
+  grpc::Status MatchPrefix(grpc::ServerContext* context, const v1::MatchPrefixRequest* request,
+                           v1::MatchPrefixResponse* response) override;
 
  private:
   Scheduler* scheduler_;

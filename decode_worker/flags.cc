@@ -22,6 +22,10 @@ ABSL_FLAG(int, max_waiting, 64, "admitted requests that may wait; RESOURCE_EXHAU
 ABSL_FLAG(int64_t, kv_blocks, 0, "KV cache blocks (exclusive with --kv-memory-mb)");
 ABSL_FLAG(int64_t, kv_memory_mb, 0, "KV cache memory in MiB (default 1024 without --kv-blocks)");
 ABSL_FLAG(int, kv_block_tokens, 64, "tokens per KV block");
+ABSL_FLAG(int64_t, prefix_cache_mb, -1,
+          "prefix cache: MiB of the KV pool that finished requests' KV may keep for reuse by "
+          "later prompts with the same prefix (-1: the whole pool; 0: off). Cached blocks give "
+          "way to new requests whenever the pool runs short");
 
 namespace hmoe::decode {
 
@@ -51,6 +55,7 @@ absl::Status ReadFlags(WorkerFlags& f) {
   }
   f.kv_memory_mb = absl::GetFlag(FLAGS_kv_memory_mb);
   f.kv_blocks = absl::GetFlag(FLAGS_kv_blocks);
+  f.prefix_cache_mb = absl::GetFlag(FLAGS_prefix_cache_mb);
   if (f.kv_blocks == 0 && f.kv_memory_mb == 0) f.kv_memory_mb = 1024;
   return worker::PrepareSocket(f.common);
 }

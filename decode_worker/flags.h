@@ -18,6 +18,7 @@ struct WorkerFlags {
   int block_tokens = 0;
   int64_t kv_blocks = 0;
   int64_t kv_memory_mb = 0;
+  int64_t prefix_cache_mb = -1;
   SchedulerOptions scheduler;
 };
 

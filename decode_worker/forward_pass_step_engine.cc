@@ -11,12 +11,21 @@ namespace {
 
 class EngineSequence final : public StepSequence {
  public:
-  explicit EngineSequence(KvSequence seq) : seq_(std::move(seq)) {}
+  explicit EngineSequence(KvSequence seq, PrefixCache* prefix = nullptr)
+      : seq_(std::move(seq)), prefix_(prefix) {}
+  // Blocks the prefix cache took while this sequence held them may exceed its budget: trim it
+  // once they are the cache's alone.
+  ~EngineSequence() override {
+    seq_.Reset();
+    if (prefix_ != nullptr) prefix_->TrimToBudget();
+  }
   int64_t num_tokens() const override { return seq_.num_tokens(); }
   KvSequence& kv() { return seq_; }
+  const KvSequence& kv() const { return seq_; }
 
  private:
   KvSequence seq_;
+  PrefixCache* prefix_;
 };
 
 class EngineStepBatch final : public StepBatch {
@@ -83,10 +92,21 @@ absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> ForwardPassStepEngine::Cr
                         KvCache::Create(device, KvCacheConfig::ForModel(config, options.kv_blocks,
                                                                         options.kv_block_tokens)));
   HMOE_ASSIGN_OR_RETURN(e->import_stream_, device.CreateStream());
+  if (options.prefix_cache_blocks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix cache of ", options.prefix_cache_blocks, " blocks: must be >= 0"));
+  }
+  if (options.prefix_cache_blocks > 0) {
+    e->prefix_ = std::make_unique<PrefixCache>(*e->kv_, options.prefix_cache_blocks);
+  }
   return e;
 }
 
 ForwardPassStepEngine::~ForwardPassStepEngine() = default;
+
+int64_t ForwardPassStepEngine::kv_blocks_free() const {
+  return kv_->num_free_blocks() + (prefix_ != nullptr ? prefix_->evictable_blocks() : 0);
+}
 
 KvHandoffShape ForwardPassStepEngine::kv_handoff_shape() const {
   KvHandoffShape s;
@@ -98,9 +118,11 @@ KvHandoffShape ForwardPassStepEngine::kv_handoff_shape() const {
 
 absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewSequence(
     int64_t reserve_tokens) {
+  // Cached blocks give way: a request that opts out of the cache must not wait on it.
+  if (prefix_ != nullptr) prefix_->EvictForFree(CeilDiv(reserve_tokens, kv_->config().block_size));
   KvSequence seq = kv_->NewSequence();
   HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
-  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));
+  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq), prefix_.get()));
 }
 
 absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewImportedSequence(
@@ -117,6 +139,7 @@ absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewImported
   }
   // All or nothing: the engine thread is the pool's only allocator, so the check holds.
   const int64_t blocks = CeilDiv(reserve_tokens, kv_->config().block_size);
+  if (prefix_ != nullptr) prefix_->EvictForFree(blocks);
   if (blocks > kv_->num_free_blocks()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("kv cache: ", blocks, " blocks needed, ", kv_->num_free_blocks(), " free"));
@@ -127,7 +150,44 @@ absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewImported
                   source.payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost));
   HMOE_RETURN_IF_ERROR(import_stream_->Synchronize());
   HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
-  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq)));
+  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq), prefix_.get()));
+}
+
+absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewSequenceFromPrefix(
+    int64_t reserve_tokens, std::span<const int32_t> prompt) {
+  if (prefix_ == nullptr || prompt.size() < 2) return NewSequence(reserve_tokens);
+  const int64_t block_size = kv_->config().block_size;
+  const int64_t max_reuse = static_cast<int64_t>(prompt.size()) - 1;
+  // Without side effects first: a request that cannot get its blocks now waits (FIFO) and must
+  // not count a lookup or copy a block at every retry.
+  const int64_t shared = prefix_->Match(prompt, max_reuse) / block_size;
+  if (CeilDiv(reserve_tokens, block_size) - shared > kv_blocks_free()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv cache: ", CeilDiv(reserve_tokens, block_size), " blocks needed, ",
+                     kv_blocks_free(), " free or evictable"));
+  }
+  KvSequence seq = kv_->NewSequence();
+  HMOE_RETURN_IF_ERROR(prefix_->Acquire(prompt, max_reuse, seq, *import_stream_).status());
+  const int64_t more =
+      CeilDiv(reserve_tokens, block_size) - static_cast<int64_t>(seq.block_table().size());
+  prefix_->EvictForFree(more);
+  HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));  // on failure seq lets its blocks go
+  return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq), prefix_.get()));
+}
+
+void ForwardPassStepEngine::OfferPrefix(const StepSequence& sequence,
+                                        std::span<const int32_t> tokens, bool finished) {
+  if (prefix_ == nullptr) return;
+  prefix_->Insert(tokens, static_cast<const EngineSequence&>(sequence).kv(), finished);
+}
+
+int64_t ForwardPassStepEngine::CachedPrefixTokens(std::span<const int32_t> prompt) const {
+  if (prefix_ == nullptr || prompt.size() < 2) return 0;
+  return prefix_->Match(prompt, static_cast<int64_t>(prompt.size()) - 1);
+}
+
+PrefixCacheStats ForwardPassStepEngine::prefix_cache_stats() const {
+  return prefix_ != nullptr ? prefix_->stats() : PrefixCacheStats{};
 }
 
 absl::StatusOr<std::unique_ptr<StepBatch>> ForwardPassStepEngine::NewStepBatch() {

@@ -14,6 +14,7 @@
 #include "common/device/device.h"
 #include "common/engine/engine.h"
 #include "common/engine/kv_cache.h"
+#include "common/engine/prefix_cache.h"
 #include "common/engine/weights.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor.h"
@@ -30,6 +31,9 @@ struct ForwardPassStepEngineOptions {
   // KV pool: num_blocks blocks of block_tokens tokens.
   int64_t kv_blocks = 0;
   int64_t kv_block_tokens = 64;
+  // Blocks of the pool the prefix cache may keep after their requests finish (0: no prefix
+  // cache). Cached blocks give way to new requests whenever the pool runs short.
+  int64_t prefix_cache_blocks = 0;
   // Passed to Engine::Create (max_step_tokens / max_step_sequences above override it).
   EngineOptions engine;
 };
@@ -56,12 +60,18 @@ class ForwardPassStepEngine final : public StepEngine {
   int64_t max_step_sequences() const override { return engine_->options().max_step_sequences; }
   int64_t kv_block_tokens() const override { return kv_->config().block_size; }
   int64_t kv_blocks_total() const override { return kv_->num_blocks(); }
-  int64_t kv_blocks_free() const override { return kv_->num_free_blocks(); }
+  int64_t kv_blocks_free() const override;
   KvHandoffShape kv_handoff_shape() const override;
 
   absl::StatusOr<std::unique_ptr<StepSequence>> NewSequence(int64_t reserve_tokens) override;
   absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
       int64_t reserve_tokens, const KvImportSource& source) override;
+  absl::StatusOr<std::unique_ptr<StepSequence>> NewSequenceFromPrefix(
+      int64_t reserve_tokens, std::span<const int32_t> prompt) override;
+  void OfferPrefix(const StepSequence& sequence, std::span<const int32_t> tokens,
+                   bool finished) override;
+  int64_t CachedPrefixTokens(std::span<const int32_t> prompt) const override;
+  PrefixCacheStats prefix_cache_stats() const override;
   absl::StatusOr<std::unique_ptr<StepBatch>> NewStepBatch() override;
   std::string device_name() const override { return device_->name(); }
 
@@ -77,6 +87,7 @@ class ForwardPassStepEngine final : public StepEngine {
   std::unique_ptr<ResidentWeights> weights_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvCache> kv_;
+  std::unique_ptr<PrefixCache> prefix_;  // null: off; destroyed before kv_
   std::unique_ptr<Stream> import_stream_;
 };
 

@@ -4,6 +4,7 @@
 //   hmoe-decode-worker (--model DIR | --weightd-instance NAME) --socket PATH
 //                      [--device cpu|cuda:N] [--threads N] [--batch-size 6] [--chunk-size 512]
 //                      [--dual-batch on|off|auto] [--kv-blocks N | --kv-memory-mb MB]
+//                      [--prefix-cache-mb MB]
 //                      [--router ADDR] [--worker-id ID] [--drain-seconds S]
 //
 // Exit codes: 0 after SIGTERM/SIGINT (drained), 1 on a start-up or runtime error, 2 on bad flags.
@@ -58,6 +59,10 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   engine_options.max_step_sequences = sched_options.batch_size;
   engine_options.kv_blocks = *kv_blocks;
   engine_options.kv_block_tokens = flags.block_tokens;
+  absl::StatusOr<int64_t> prefix_blocks = ResolvePrefixCacheBlocks(
+      flags.prefix_cache_mb, *kv_blocks, KvBlockBytes(weights->config, flags.block_tokens));
+  HMOE_RETURN_IF_ERROR(FlagError(prefix_blocks.status()));
+  engine_options.prefix_cache_blocks = *prefix_blocks;
   absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> engine = ForwardPassStepEngine::Create(
       weights->config, weights->source(), *device, *pool, engine_options);
   if (!engine.ok()) return Annotate(engine.status(), "engine");
@@ -95,7 +100,8 @@ absl::Status Run(process::StopSignalWatcher& signals) {
                  << sched_options.chunk_size << " (" << sched_options.prefills_per_step
                  << " prefill(s) per step, packing " << PackingPolicyName(sched_options.packing)
                  << "), dual batch " << (sched_options.dual_batch ? "on" : "off") << ", kv "
-                 << *kv_blocks << " blocks of " << flags.block_tokens << " tokens, ready in "
+                 << *kv_blocks << " blocks of " << flags.block_tokens << " tokens (prefix cache "
+                 << *prefix_blocks << " of them), ready in "
                  << absl::ToDoubleSeconds(absl::Now() - start) << " s";
 
   // --- drain on SIGTERM
@@ -125,7 +131,8 @@ int main(int argc, char** argv) {
       {.usage = "hmoe-decode-worker (--model DIR | --weightd-instance NAME) --socket PATH "
                 "[--device cpu|cuda:N] [--threads N] [--batch-size 6] [--chunk-size 512] "
                 "[--prefills-per-step 6] [--prefill-packing auto|always] "
-                "[--dual-batch on|off|auto] [--kv-blocks N | --kv-memory-mb MB] [--router ADDR] "
+                "[--dual-batch on|off|auto] [--kv-blocks N | --kv-memory-mb MB] [--prefix-cache-mb "
+                "MB] [--router ADDR] "
                 "[--worker-id ID] [--drain-seconds S]"},
       hmoe::decode::Run);
 }

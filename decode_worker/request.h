@@ -33,6 +33,11 @@ struct GenerationRequest {
   int32_t first_token = -1;
   // Sampling, max_new_tokens, stop ids, ignore_eos.
   SamplingParams sampling;
+  // Reuse the prefix cache for the prompt and offer the request's KV to it when it finishes
+  // (docs/decode_worker.md "Prefix cache"); false: prefill the whole prompt, offer nothing.
+  bool use_prefix_cache = true;
+  // With `kv`: the imported KV may join the prefix cache (AdmitRequest.kv_cacheable).
+  bool kv_cacheable = false;
 
   // Whether the request starts from a KV hand-off (also after the scheduler released `kv`).
   bool has_kv() const { return kv != nullptr || kv_num_tokens > 0; }
@@ -61,6 +66,7 @@ struct FinishEvent {
   int32_t prompt_tokens = 0;
   int32_t completion_tokens = 0;
   int32_t imported_tokens = 0;
+  int32_t cached_tokens = 0;  // prompt tokens reused from the prefix cache
   int64_t queue_us = 0;
   int64_t first_token_us = 0;
   int64_t total_us = 0;

@@ -39,6 +39,8 @@ struct Scheduler::Active {
   std::unique_ptr<StepSequence> sequence;
   // Prompt tokens whose KV is in the cache.
   int64_t prompt_done = 0;
+  // Of those, reused from the prefix cache at admission.
+  int64_t cached_tokens = 0;
   // While prefilling: the request's turn for a step's first prompt chunk (lowest first, ties to
   // the older request). Joining the batch once s steps have run gives s - 1; taking a chunk in
   // step s (counted from 0) gives s + 1. So a prompt that joins goes before one that had the last
@@ -229,6 +231,7 @@ SchedulerStats Scheduler::stats() const {
     s.tokens_per_second = 0;
   }
   s.kv_blocks_free = engine_.kv_blocks_free();
+  s.prefix_cache = engine_.prefix_cache_stats();
   return s;
 }
 
@@ -312,8 +315,9 @@ void Scheduler::AdmitWaiting() {
     const int64_t reserve = a.request.prompt_tokens() + a.request.sampling.max_new_tokens;
     const absl::Time t0 = absl::Now();
     absl::StatusOr<std::unique_ptr<StepSequence>> seq =
-        a.request.kv != nullptr ? engine_.NewImportedSequence(reserve, *a.request.kv)
-                                : engine_.NewSequence(reserve);
+        a.request.kv != nullptr      ? engine_.NewImportedSequence(reserve, *a.request.kv)
+        : a.request.use_prefix_cache ? engine_.NewSequenceFromPrefix(reserve, a.request.prompt)
+                                     : engine_.NewSequence(reserve);
     if (absl::IsResourceExhausted(seq.status())) break;  // FIFO: wait for blocks to free up
     if (!seq.ok()) {
       absl::Status error = seq.status();
@@ -328,6 +332,11 @@ void Scheduler::AdmitWaiting() {
     }
     a.sequence = *std::move(seq);
     a.start_time = absl::Now();
+    if (!a.request.has_kv() && a.sequence->num_tokens() > 0) {
+      a.prompt_done = a.cached_tokens = a.sequence->num_tokens();
+      HMOE_LOG(INFO) << "req=" << a.request.id << " prefix cache: " << a.cached_tokens << " of "
+                     << a.request.prompt.size() << " prompt tokens reused";
+    }
     if (a.request.has_kv()) {
       // The ack: the payload is in our pool; unmap the source and tell the caller.
       a.request.kv.reset();
@@ -457,6 +466,8 @@ bool Scheduler::RunOneStep() {
       a.prompt_done += prefill_tokens[i];
       local_.prompt_tokens_prefilled += prefill_tokens[i];
       if (a.prefilling()) continue;
+      // The prompt's full blocks are final now: requests arriving meanwhile can share them.
+      OfferPrefix(a, /*finished=*/false);
     }
     SampleAndEmit(a, r.logits, step_us);
   }
@@ -507,10 +518,26 @@ void Scheduler::SampleAndEmit(Active& a, const std::vector<float>& logits, int64
   a.next_input = *token;
 }
 
+void Scheduler::OfferPrefix(Active& a, bool finished) {
+  if (!a.request.use_prefix_cache || a.sequence == nullptr || a.request.prompt.empty()) return;
+  // Imported KV is another path's arithmetic: reusing it would not give the tokens of prefilling
+  // here unless the path is bit-identical, which the caller says.
+  if (a.request.has_kv() && !a.request.kv_cacheable) return;
+  // The sequence holds the prompt, then the generated tokens fed back (all but the last sampled).
+  std::vector<int32_t> tokens = a.request.prompt;
+  if (finished) {
+    const std::vector<int32_t>& generated = a.sampler->generated();
+    tokens.insert(tokens.end(), generated.begin(), generated.end());
+  }
+  engine_.OfferPrefix(*a.sequence, tokens, finished);
+}
+
 void Scheduler::Finish(Active& a, FinishReason reason, absl::Status error, int32_t stop_token) {
   if (a.finished) return;
   a.finished = true;
-  a.sequence.reset();  // Frees the KV blocks now.
+  // A failed step may have left partial rows; anything else leaves a KV valid for its tokens.
+  if (reason != FinishReason::kError) OfferPrefix(a, /*finished=*/true);
+  a.sequence.reset();  // Frees the KV blocks now (those the prefix cache took stay).
   a.request.kv.reset();
   const absl::Time now = absl::Now();
   FinishEvent f;
@@ -520,6 +547,7 @@ void Scheduler::Finish(Active& a, FinishReason reason, absl::Status error, int32
   f.prompt_tokens = static_cast<int32_t>(a.request.prompt_tokens());
   f.completion_tokens = a.completion_tokens;
   f.imported_tokens = a.request.has_kv() ? static_cast<int32_t>(a.request.kv_num_tokens) : 0;
+  f.cached_tokens = static_cast<int32_t>(a.cached_tokens);
   const absl::Time started = a.start_time == absl::Time() ? now : a.start_time;
   f.queue_us = Micros(started - a.admit_time);
   f.first_token_us =

@@ -101,6 +101,7 @@ struct SchedulerStats {
   int max_running_seen = 0;           // largest running batch so far
   int64_t packed_prefills = 0;        // prefill chunks that shared a step with an older one
   std::optional<StepCost> step_cost;  // the fit the packing policy uses (nullopt: not yet)
+  PrefixCacheStats prefix_cache;      // the engine's (all zero without a prefix cache)
 };
 
 class Scheduler {
@@ -155,6 +156,8 @@ class Scheduler {
   void Finish(Active& a, FinishReason reason, absl::Status error, int32_t stop_token);
   // Samples from `logits` for a request past its prompt; finishes it when a stop condition hits.
   void SampleAndEmit(Active& a, const std::vector<float>& logits, int64_t step_us);
+  // Offers `a`'s KV (prompt and the generated tokens fed so far) to the engine's prefix cache.
+  void OfferPrefix(Active& a, bool finished);
   void RemoveFinished();
   void PublishStats() ABSL_LOCKS_EXCLUDED(mu_);
   bool HasInboxWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -37,4 +37,21 @@ absl::StatusOr<int64_t> ResolveKvBlocks(int64_t kv_blocks, int64_t kv_memory_mb,
   return blocks;
 }
 
+absl::StatusOr<int64_t> ResolvePrefixCacheBlocks(int64_t prefix_cache_mb, int64_t pool_blocks,
+                                                 size_t block_bytes) {
+  if (prefix_cache_mb < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--prefix-cache-mb ", prefix_cache_mb, " must be -1 (the whole KV pool), 0 (off) or > 0"));
+  }
+  if (prefix_cache_mb == -1) return pool_blocks;
+  if (prefix_cache_mb == 0) return 0;
+  const auto blocks = static_cast<int64_t>((static_cast<uint64_t>(prefix_cache_mb) << 20) /
+                                           std::max<size_t>(block_bytes, 1));
+  if (blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--prefix-cache-mb ", prefix_cache_mb, " holds no KV block of ", block_bytes, " bytes"));
+  }
+  return std::min(blocks, pool_blocks);
+}
+
 }  // namespace hmoe::decode

@@ -28,4 +28,10 @@ absl::StatusOr<bool> ResolveDualBatch(const std::string& value, DeviceKind atten
 absl::StatusOr<int64_t> ResolveKvBlocks(int64_t kv_blocks, int64_t kv_memory_mb,
                                         size_t block_bytes);
 
+// The prefix cache's budget in blocks of `block_bytes` (--prefix-cache-mb): -1 the whole pool of
+// `pool_blocks`, 0 off, else as many blocks as fit in prefix_cache_mb MiB, at most the pool.
+// InvalidArgument below -1 or for a budget that holds no block.
+absl::StatusOr<int64_t> ResolvePrefixCacheBlocks(int64_t prefix_cache_mb, int64_t pool_blocks,
+                                                 size_t block_bytes);
+
 }  // namespace hmoe::decode

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "common/engine/prefix_cache.h"
 #include "common/kv_handoff/kv_handoff.h"
 
 namespace hmoe::decode {
@@ -70,6 +71,7 @@ class StepEngine {
   // KV pool.
   virtual int64_t kv_block_tokens() const = 0;
   virtual int64_t kv_blocks_total() const = 0;
+  // Blocks a new sequence can get: free ones plus those the prefix cache would give up.
   virtual int64_t kv_blocks_free() const = 0;
   // The hand-off shape this engine imports (kv_handoff.h).
   virtual KvHandoffShape kv_handoff_shape() const = 0;
@@ -83,6 +85,32 @@ class StepEngine {
   // reserve_tokens.
   virtual absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
       int64_t reserve_tokens, const KvImportSource& source) = 0;
+
+  // Prefix cache (common/engine/prefix_cache.h). An engine without one reuses nothing (these
+  // defaults).
+  // As NewSequence, but the sequence starts with the longest cached prefix of `prompt`, at most
+  // prompt.size() - 1 tokens (one token is always computed, for the logits), whose KV it shares:
+  // its num_tokens() says how many.
+  virtual absl::StatusOr<std::unique_ptr<StepSequence>> NewSequenceFromPrefix(
+      int64_t reserve_tokens, std::span<const int32_t> prompt) {
+    (void)prompt;
+    return NewSequence(reserve_tokens);
+  }
+  // Offers the KV of `sequence`'s first min(num_tokens(), tokens.size()) tokens, whose ids are
+  // `tokens`, to the prefix cache. `finished`: the sequence will not be written again.
+  virtual void OfferPrefix(const StepSequence& sequence, std::span<const int32_t> tokens,
+                           bool finished) {
+    (void)sequence;
+    (void)tokens;
+    (void)finished;
+  }
+  // Leading tokens of `prompt` NewSequenceFromPrefix would reuse now. Thread-safe.
+  virtual int64_t CachedPrefixTokens(std::span<const int32_t> prompt) const {
+    (void)prompt;
+    return 0;
+  }
+  // Thread-safe.
+  virtual PrefixCacheStats prefix_cache_stats() const { return {}; }
 
   // A new step driver (allocates scratch; ResourceExhausted when the device budget is exceeded).
   virtual absl::StatusOr<std::unique_ptr<StepBatch>> NewStepBatch() = 0;

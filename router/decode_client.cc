@@ -39,6 +39,17 @@ class GrpcDecodeClient : public DecodeClient {
                                       absl::Time deadline) override {
     return std::make_unique<GrpcDecodeStream>(stub_.get(), request, deadline);
   }
+  absl::StatusOr<int64_t> MatchPrefix(const std::vector<int32_t>& prompt,
+                                      absl::Time deadline) override {
+    grpc::ClientContext context;
+    if (deadline != absl::InfiniteFuture()) context.set_deadline(absl::ToChronoTime(deadline));
+    dv1::MatchPrefixRequest request;
+    request.mutable_prompt_token_ids()->Assign(prompt.begin(), prompt.end());
+    dv1::MatchPrefixResponse response;
+    const grpc::Status status = stub_->MatchPrefix(&context, request, &response);
+    if (!status.ok()) return rpc::FromGrpcStatus(status);
+    return response.cached_tokens();
+  }
 
  private:
   std::unique_ptr<dv1::DecodeService::Stub> stub_;

@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 #include "proto/decode.pb.h"
@@ -35,6 +37,14 @@ class DecodeClient {
   // Finish(). The call ends at `deadline` with DEADLINE_EXCEEDED.
   virtual std::unique_ptr<DecodeStream> Admit(const hmoe::decode::v1::AdmitRequest& request,
                                               absl::Time deadline) = 0;
+  // Leading tokens of `prompt` the worker's prefix cache holds (MatchPrefix RPC). A worker
+  // without the RPC (or a fake) holds none.
+  virtual absl::StatusOr<int64_t> MatchPrefix(const std::vector<int32_t>& prompt,
+                                              absl::Time deadline) {
+    (void)prompt;
+    (void)deadline;
+    return 0;
+  }
 };
 
 // Makes (and may cache) clients by worker endpoint. Thread-safe.

@@ -39,6 +39,11 @@ ABSL_FLAG(int, max_prefill_queue, 64,
 ABSL_FLAG(bool, cpu_devices_shared, true,
           "workers on \"cpu\" devices compete for one device (off: CPU prefill workers count as "
           "not sharing the decode worker's device, so SLP runs next to decode)");
+ABSL_FLAG(std::string, prefix_cache_imports, "exact",
+          "which KV handed over by prefill workers may join the decode worker's prefix cache: "
+          "exact (only where it is bit-identical to the decode worker's own prefill: SLP on CPU "
+          "prefill workers next to a CPU decode worker; reuse then gives exactly the tokens of "
+          "recomputing) or all (also DSLP and GPU prefills: more reuse, that path's rounding)");
 ABSL_FLAG(std::string, dslp_ep_mode, "default",
           "DSLP expert parallelism: default, standard, small_ep");
 ABSL_FLAG(int, max_request_bytes, 4 << 20, "largest accepted request message");
@@ -114,6 +119,11 @@ absl::Status ReadFlags(RouterFlags& f) {
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   options.max_prefill_queue = absl::GetFlag(FLAGS_max_prefill_queue);
   options.policy.cpu_devices_shared = absl::GetFlag(FLAGS_cpu_devices_shared);
+  const std::string imports = absl::GetFlag(FLAGS_prefix_cache_imports);
+  if (imports != "exact" && imports != "all") {
+    return FlagError(absl::StrCat("--prefix-cache-imports \"", imports, "\" must be exact or all"));
+  }
+  options.prefix_cache_all_imports = imports == "all";
   // DSLP group names: unique to this instance and unpredictable, so neither another router nor
   // another user can hold the shared-memory name of a group before its ranks create it.
   options.dslp_group_prefix =

@@ -156,6 +156,19 @@ std::string RouterMetrics::Scrape(const Router& router) const {
   auto& kv_used = gauge("hmoe_worker_kv_blocks_used", "KV cache blocks in use");
   auto& kv_total = gauge("hmoe_worker_kv_blocks_total", "KV cache blocks of the worker");
   auto& tps = gauge("hmoe_worker_tokens_per_second", "Tokens per second, as the worker reports");
+  auto& prefix_tokens =
+      gauge("hmoe_worker_prefix_cache_tokens", "Tokens the decode worker's prefix cache holds");
+  const auto counter = [&now](const std::string& name, const std::string& help) -> auto& {
+    return prometheus::BuildCounter().Name(name).Help(help).Register(now);
+  };
+  auto& prefix_hit_tokens = counter("hmoe_worker_prefix_cache_hit_tokens_total",
+                                    "Prompt tokens reused from the prefix cache since the worker "
+                                    "started");
+  auto& prefix_hits = counter("hmoe_worker_prefix_cache_hits_total",
+                              "Requests that reused a cached prefix since the worker started");
+  auto& prefix_evicted = counter("hmoe_worker_prefix_cache_evicted_blocks_total",
+                                 "KV blocks evicted from the prefix cache since the worker "
+                                 "started");
   for (const v1::WorkerInfo& w : s.workers()) {
     std::string kind = v1::WorkerKind_Name(w.kind());
     absl::AsciiStrToLower(&kind);
@@ -168,6 +181,12 @@ std::string RouterMetrics::Scrape(const Router& router) const {
     kv_used.Add(labels).Set(static_cast<double>(w.kv_blocks_total() - w.kv_blocks_free()));
     kv_total.Add(labels).Set(static_cast<double>(w.kv_blocks_total()));
     tps.Add(labels).Set(w.tokens_per_second());
+    if (w.kind() == v1::WORKER_KIND_DECODE) {
+      prefix_tokens.Add(labels).Set(static_cast<double>(w.prefix_cache_tokens()));
+      prefix_hit_tokens.Add(labels).Increment(static_cast<double>(w.prefix_cache_hit_tokens()));
+      prefix_hits.Add(labels).Increment(static_cast<double>(w.prefix_cache_hits()));
+      prefix_evicted.Add(labels).Increment(static_cast<double>(w.prefix_cache_evicted_blocks()));
+    }
   }
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
   for (prometheus::MetricFamily& f : now.Collect()) families.push_back(std::move(f));

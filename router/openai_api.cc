@@ -284,10 +284,12 @@ class HttpSink : public GenerateSink {
       return;
     }
     const std::string reason = FinishReasonOf(finished_->reason());
-    const json usage = {{"prompt_tokens", finished_->usage().prompt_tokens()},
-                        {"completion_tokens", finished_->usage().completion_tokens()},
-                        {"total_tokens", finished_->usage().prompt_tokens() +
-                                             finished_->usage().completion_tokens()}};
+    const json usage = {
+        {"prompt_tokens", finished_->usage().prompt_tokens()},
+        {"completion_tokens", finished_->usage().completion_tokens()},
+        {"total_tokens",
+         finished_->usage().prompt_tokens() + finished_->usage().completion_tokens()},
+        {"prompt_tokens_details", {{"cached_tokens", finished_->usage().cached_prompt_tokens()}}}};
     if (t_.stream) {
       Start();
       json last = Chunk();
@@ -636,6 +638,12 @@ absl::StatusOr<OpenAiApi::Translated> OpenAiApi::Translate(const json& body, boo
   bool ignore_eos = false;
   HMOE_RETURN_IF_ERROR(GetBool(body, "ignore_eos", bad, &ignore_eos));
   r.set_ignore_eos(ignore_eos);
+  // llama-server's name: false opts out of the prefix cache (docs/api.md "Prefix cache").
+  if (Field(body, "cache_prompt") != nullptr) {
+    bool cache_prompt = true;
+    HMOE_RETURN_IF_ERROR(GetBool(body, "cache_prompt", bad, &cache_prompt));
+    r.set_cache_prompt(cache_prompt);
+  }
 
   if (const json* stop = Field(body, "stop"); stop != nullptr) {
     std::vector<std::string> stops;

@@ -1,5 +1,7 @@
 #include "router/policy.h"
 
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
@@ -61,7 +63,24 @@ const char* PathName(Path path) {
   return "?";
 }
 
-absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& decode_workers) {
+absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& decode_workers,
+                                             const std::map<std::string, int64_t>& cached_tokens) {
+  auto cached = [&](const WorkerView& w) -> int64_t {
+    auto it = cached_tokens.find(w.identity.worker_id);
+    return it == cached_tokens.end() ? 0 : it->second;
+  };
+  auto load = [](const WorkerView& w) { return int64_t{w.load.running} + w.load.waiting; };
+  const WorkerView* hit = nullptr;
+  for (const WorkerView& w : decode_workers) {
+    if (cached(w) <= 0 || load(w) >= w.load.batch_size) continue;
+    if (hit == nullptr || cached(w) > cached(*hit) ||
+        (cached(w) == cached(*hit) &&
+         (load(w) < load(*hit) ||
+          (load(w) == load(*hit) && w.identity.worker_id < hit->identity.worker_id)))) {
+      hit = &w;
+    }
+  }
+  if (hit != nullptr) return hit->identity.worker_id;
   const WorkerView* best = nullptr;
   for (const WorkerView& w : decode_workers) {
     const int64_t load = int64_t{w.load.running} + w.load.waiting;
@@ -77,7 +96,11 @@ absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& deco
 
 absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOptions& options) {
   RouteDecision d;
-  HMOE_ASSIGN_OR_RETURN(d.decode_worker_id, PickDecodeWorker(in.decode_workers));
+  HMOE_ASSIGN_OR_RETURN(d.decode_worker_id, PickDecodeWorker(in.decode_workers, in.cached_tokens));
+  int64_t suffix = in.prompt_tokens;
+  if (auto it = in.cached_tokens.find(d.decode_worker_id); it != in.cached_tokens.end()) {
+    suffix -= std::min(it->second, in.prompt_tokens);
+  }
   const std::string& decode_device =
       FindWorker(in.decode_workers, d.decode_worker_id)->identity.device;
   const std::vector<std::string> not_sharing =
@@ -122,7 +145,9 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
       break;
   }
 
-  if (in.prompt_tokens < options.chunk_threshold_tokens || in.prefill_workers.empty()) {
+  // What is left to prefill decides: a long prompt whose prefix the decode worker holds is a
+  // short chunked prefill there (a prefill worker would recompute all of it).
+  if (suffix < options.chunk_threshold_tokens || in.prefill_workers.empty()) {
     d.path = Path::kChunked;
     return d;
   }

@@ -1,9 +1,13 @@
 #pragma once
 
-// The routing policy of paper §3.3.2, as a pure function of the request, the live workers and the
-// time since a decode request was last active (so it is deterministic and tested with a fake
-// clock):
-//   - prompt < chunk threshold          -> CHUNKED: chunked prefill on the decode worker;
+// The routing policy of paper §3.3.2, as a pure function of the request, the live workers, what
+// their prefix caches hold and the time since a decode request was last active (so it is
+// deterministic and tested with a fake clock):
+//   - decode worker: the one holding the longest cached prefix of the prompt while it has a free
+//     batch slot, else the least loaded (PickDecodeWorker);
+//   - the prompt's uncached suffix (prompt minus the chosen worker's cached prefix; the whole
+//     prompt without a hit) decides the path:
+//   - suffix < chunk threshold          -> CHUNKED: chunked prefill on the decode worker;
 //   - longer, decode idle for the window -> DSLP over all live prefill workers (of one device
 //                                           kind: the larger set, GPUs on a tie; SLP when fewer
 //                                           than two, or fewer than 2 prompt tokens per worker);
@@ -15,6 +19,7 @@
 // path needs a live decode worker (decode always runs there): Unavailable without one.
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +49,8 @@ struct PolicyOptions {
 
 struct PolicyInput {
   int64_t prompt_tokens = 0;
+  // Leading prompt tokens each decode worker's prefix cache holds (by worker_id; absent: none).
+  std::map<std::string, int64_t> cached_tokens;
   PathHintKind hint = PathHintKind::kAuto;
   // Live decode and prefill workers (WorkerRegistry::Live), sorted by worker_id.
   std::vector<WorkerView> decode_workers;
@@ -67,9 +74,14 @@ struct RouteDecision {
   std::vector<std::string> prefill_worker_ids;
 };
 
-// The decode worker for a new request: the live one with the fewest running + waiting requests
-// (ties: lowest worker_id). Unavailable when there is none.
-absl::StatusOr<std::string> PickDecodeWorker(const std::vector<WorkerView>& decode_workers);
+// The decode worker for a new request: the one whose prefix cache holds the most of the prompt
+// (per `cached_tokens`; ties: fewer running + waiting, then lowest worker_id) when that is > 0 and
+// the worker has a free batch slot (running + waiting < batch_size); otherwise the live one with
+// the fewest running + waiting requests (ties: lowest worker_id). So a shared system prompt does
+// not pile every request onto one worker while another idles. Unavailable when there is none.
+absl::StatusOr<std::string> PickDecodeWorker(
+    const std::vector<WorkerView>& decode_workers,
+    const std::map<std::string, int64_t>& cached_tokens = {});
 
 absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& input, const PolicyOptions& options);
 

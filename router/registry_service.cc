@@ -43,6 +43,10 @@ grpc::Status RegistryService::Heartbeat(grpc::ServerContext*, const rv1::Heartbe
   load.kv_blocks_free = request->load().kv_blocks_free();
   load.kv_blocks_total = request->load().kv_blocks_total();
   load.tokens_per_second = request->load().tokens_per_second();
+  load.prefix_cache_tokens = request->load().prefix_cache_tokens();
+  load.prefix_cache_hit_tokens = request->load().prefix_cache_hit_tokens();
+  load.prefix_cache_hits = request->load().prefix_cache_hits();
+  load.prefix_cache_evicted_blocks = request->load().prefix_cache_evicted_blocks();
   return rpc::ToGrpcStatus(registry_->Heartbeat(request->worker_id(), load));
 }
 

@@ -361,7 +361,8 @@ absl::Status Router::Cancel(const std::string& request_id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind hint,
+absl::StatusOr<RouteDecision> Router::Route(const std::vector<int32_t>& prompt,
+                                            bool use_prefix_cache, PathHintKind hint,
                                             bool dslp_allowed, int attempt, absl::Time deadline,
                                             Inflight& inflight,
                                             const std::vector<std::string>& excluded) {
@@ -370,6 +371,7 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
   std::optional<absl::Time> wait_until;
   while (true) {
     PolicyInput in;
+    const auto prompt_tokens = static_cast<int64_t>(prompt.size());
     in.prompt_tokens = prompt_tokens;
     in.hint = hint;
     in.decode_workers = registry_->Live(WorkerKind::kDecode);
@@ -378,6 +380,12 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
     });
     if (prefill_clients_ != nullptr) in.prefill_workers = registry_->Live(WorkerKind::kPrefill);
     in.dslp_allowed = dslp_allowed;
+    if (use_prefix_cache && hint == PathHintKind::kAuto && prompt_tokens >= 2 &&
+        (in.decode_workers.size() >= 2 ||
+         (!in.prefill_workers.empty() &&
+          prompt_tokens >= options_.policy.chunk_threshold_tokens))) {
+      in.cached_tokens = CachedPrefixes(prompt, in.decode_workers);
+    }
     in.now = clock_->Now();
     {
       absl::MutexLock lock(&mu_);
@@ -405,6 +413,19 @@ absl::StatusOr<RouteDecision> Router::Route(int64_t prompt_tokens, PathHintKind 
   }
 }
 
+std::map<std::string, int64_t> Router::CachedPrefixes(const std::vector<int32_t>& prompt,
+                                                      const std::vector<WorkerView>& workers) {
+  std::map<std::string, int64_t> out;
+  // A worker that does not answer quickly holds nothing as far as routing goes.
+  const absl::Time deadline = absl::Now() + options_.prefix_match_timeout;
+  for (const WorkerView& w : workers) {
+    absl::StatusOr<int64_t> n = decode_clients_->ForEndpoint(w.identity.endpoint, w.incarnation)
+                                    ->MatchPrefix(prompt, deadline);
+    if (n.ok() && *n > 0) out[w.identity.worker_id] = *n;
+  }
+  return out;
+}
+
 absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadline,
                               GenerateSink* sink) {
   Request req;
@@ -424,6 +445,8 @@ absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadl
   req.admit.set_max_new_tokens(proto.max_new_tokens());
   req.admit.mutable_stop_token_ids()->CopyFrom(proto.stop_token_ids());
   req.admit.set_ignore_eos(proto.ignore_eos());
+  const bool use_prefix_cache = !proto.has_cache_prompt() || proto.cache_prompt();
+  req.admit.set_no_prefix_cache(!use_prefix_cache);
   if (tokenizer_ != nullptr && (proto.detokenize() || proto.stop_strings_size() > 0)) {
     req.text.emplace(tokenizer_, proto);
   }
@@ -447,8 +470,8 @@ absl::Status Router::Generate(const v1::GenerateRequest& proto, absl::Time deadl
       }
     }
     absl::StatusOr<RouteDecision> routed =
-        Route(static_cast<int64_t>(req.prompt.size()), HintKind(proto.path_hint()),
-              req.dslp_allowed, attempt, deadline, *req.inflight, excluded);
+        Route(req.prompt, use_prefix_cache, HintKind(proto.path_hint()), req.dslp_allowed, attempt,
+              deadline, *req.inflight, excluded);
     if (!routed.ok() && req.inflight->Cancelled()) return CancelledOutcome(req).status;
     if (!routed.ok()) {
       absl::MutexLock lock(&mu_);
@@ -567,6 +590,15 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   if (prefilled.has_value()) {
     *admit.mutable_kv_handle() = prefilled->kv_handle;
     admit.set_first_token_id(prefilled->first_token_id);
+    // SLP on the CPU computes every token exactly as the CPU decode worker's chunked prefill does
+    // (the engine's results do not depend on chunking or batching); DSLP's ring attention and a
+    // GPU's kernels round differently.
+    bool exact = route.path == Path::kSlp && decode->identity.device.rfind("cpu", 0) == 0;
+    for (const std::string& id : prefilled->worker_ids) {
+      const std::optional<WorkerView> w = registry_->Find(id);
+      exact = exact && w.has_value() && w->identity.device.rfind("cpu", 0) == 0;
+    }
+    admit.set_kv_cacheable(options_.prefix_cache_all_imports || exact);
   }
   std::shared_ptr<DecodeClient> client =
       decode_clients_->ForEndpoint(decode->identity.endpoint, decode->incarnation);
@@ -684,6 +716,9 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   f.mutable_usage()->set_completion_tokens(finished.has_value() && req.stop_string.empty()
                                                ? finished->usage().completion_tokens()
                                                : req.tokens_streamed);
+  if (finished.has_value()) {
+    f.mutable_usage()->set_cached_prompt_tokens(finished->usage().cached_tokens());
+  }
   return {false, Finish(req, std::move(f))};
 }
 
@@ -928,6 +963,10 @@ v1::RouterStatus Router::GetStatus() const {
     i->set_kv_blocks_free(w.load.kv_blocks_free);
     i->set_kv_blocks_total(w.load.kv_blocks_total);
     i->set_tokens_per_second(w.load.tokens_per_second);
+    i->set_prefix_cache_tokens(w.load.prefix_cache_tokens);
+    i->set_prefix_cache_hit_tokens(w.load.prefix_cache_hit_tokens);
+    i->set_prefix_cache_hits(w.load.prefix_cache_hits);
+    i->set_prefix_cache_evicted_blocks(w.load.prefix_cache_evicted_blocks);
     auto it = worker_inflight_.find(w.identity.worker_id);
     i->set_router_inflight(it == worker_inflight_.end() ? 0 : it->second);
   }

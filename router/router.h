@@ -37,6 +37,7 @@
 // the Cancel RPC break the worker calls, which cancels the request on the workers. Thread-safe.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -101,6 +102,13 @@ struct RouterOptions {
   // How often client cancellation is polled (a sink that knows at once that its client left calls
   // CheckCancellations instead of waiting for the poll).
   absl::Duration cancel_poll = absl::Milliseconds(20);
+  // Whether KV handed over by prefill workers may join the decode worker's prefix cache: false
+  // (--prefix-cache-imports=exact) only where it is bit-identical to the decode worker's own
+  // chunked prefill (SLP on CPU prefill workers next to a CPU decode worker), so a prompt reusing
+  // it gets exactly the tokens of recomputing it; true (all) also DSLP and GPU prefills.
+  bool prefix_cache_all_imports = false;
+  // Deadline of the MatchPrefix calls that ask the decode workers' prefix caches before routing.
+  absl::Duration prefix_match_timeout = absl::Milliseconds(200);
 };
 
 // Where a Generate call's responses go (the gRPC stream). Write() is called by the Generate thread
@@ -167,10 +175,18 @@ class Router {
   void Release(const std::shared_ptr<Inflight>& inflight) ABSL_LOCKS_EXCLUDED(mu_);
   // The policy's decision; waits (polling) for workers to come back where router.h says so.
   // `excluded`: decode workers not to use (they refused this request).
-  absl::StatusOr<RouteDecision> Route(int64_t prompt_tokens, PathHintKind hint, bool dslp_allowed,
-                                      int attempt, absl::Time deadline, Inflight& inflight,
+  // `prompt`: asked of every live decode worker's prefix cache when the answer can change the
+  // decision (use_prefix_cache, and several decode workers or a prompt long enough for a prefill
+  // worker).
+  absl::StatusOr<RouteDecision> Route(const std::vector<int32_t>& prompt, bool use_prefix_cache,
+                                      PathHintKind hint, bool dslp_allowed, int attempt,
+                                      absl::Time deadline, Inflight& inflight,
                                       const std::vector<std::string>& excluded)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Leading tokens of `prompt` each of `workers` holds in its prefix cache (workers without a hit,
+  // or that do not answer within prefix_match_timeout, are absent).
+  std::map<std::string, int64_t> CachedPrefixes(const std::vector<int32_t>& prompt,
+                                                const std::vector<WorkerView>& workers);
   // The admission limit: max_inflight, or less when the live decode workers advertise less room
   // (batch_size + max_waiting each, from their heartbeats).
   int32_t AdmissionLimit() const;

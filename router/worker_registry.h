@@ -49,6 +49,11 @@ struct WorkerLoad {
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   double tokens_per_second = 0;
+  // Decode workers' prefix cache: tokens held; since start: tokens reused, hits, evicted blocks.
+  int64_t prefix_cache_tokens = 0;
+  int64_t prefix_cache_hit_tokens = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t prefix_cache_evicted_blocks = 0;
 };
 
 // A snapshot of one worker.

@@ -25,6 +25,7 @@
 #   HMOE_SOAK_RSS_GATE=0       report RSS growth >= 5 % without failing (default 1: gated)
 #   HMOE_SOAK_WEIGHTD_ARGS     extra hmoe-weightd flags (--remove-on-exit shows the soak failing:
 #                              every SIGTERM restart then reloads the weights)
+#   HMOE_SOAK_PREFIX_CACHE_MB  the decode worker's --prefix-cache-mb (default 16; -1: the whole pool)
 #   HMOE_JOBS                  build jobs (default nproc)
 set -euo pipefail
 
@@ -71,10 +72,13 @@ DEPLOY="$SOAK/deploy"
 rm -rf "$DEPLOY"
 CONF="$DEPLOY/supervisord.conf"
 # Long prompts (300-600 tokens) go to the prefill worker (SLP) next to decode: chunk threshold
-# 256 of the tiny model's 1024-token context, CPU devices not treated as shared.
+# 256 of the tiny model's 1024-token context, CPU devices not treated as shared. The decode
+# worker's prefix cache is on with a 16 MiB budget (HMOE_SOAK_PREFIX_CACHE_MB): it fills during
+# the warm-up, so the RSS gate measures leaks, not a cache growing into the 1 GiB KV pool.
 "$HMOE" deploy --model "$SOAK/tiny" --out "$DEPLOY" --run-dir "$RUN_DIR" --gpus 0 \
   --prefill-workers 1 --listen "$ADDR" --instance "$INSTANCE" --bin-dir "$BIN" \
   --router-args="--chunk-threshold=256 --cpu-devices-shared=false" \
+  --decode-args="--prefix-cache-mb=${HMOE_SOAK_PREFIX_CACHE_MB:-16}" \
   --weightd-args="${HMOE_SOAK_WEIGHTD_ARGS:-}" >/dev/null
 cleanup() {
   stop_supervisord "$CONF" "$RUN_DIR"

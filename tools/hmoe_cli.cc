@@ -73,6 +73,8 @@ ABSL_FLAG(std::vector<std::string>, stop, {}, "stop strings, comma-separated");
 ABSL_FLAG(std::string, hint, "auto", "path hint: auto, chunked, slp or dslp");
 ABSL_FLAG(std::string, request_id, "", "request id (default: the router picks one)");
 ABSL_FLAG(bool, ignore_eos, false, "do not stop at EOS");
+ABSL_FLAG(bool, cache_prompt, true,
+          "generate: reuse the decode worker's prefix cache (false: prefill the whole prompt)");
 ABSL_FLAG(bool, token_ids, false,
           "print the generated token ids (space-separated) instead of text, also when the router "
           "has a tokenizer (to compare with hmoe-generate)");
@@ -265,6 +267,7 @@ int Generate(v1::Hmoe::Stub* stub) {
   req.set_request_id(absl::GetFlag(FLAGS_request_id));
   req.set_max_new_tokens(absl::GetFlag(FLAGS_max_new_tokens));
   req.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
+  req.set_cache_prompt(absl::GetFlag(FLAGS_cache_prompt));
   v1::SamplingParams* sp = req.mutable_sampling();
   sp->set_temperature(static_cast<float>(absl::GetFlag(FLAGS_temperature)));
   sp->set_top_k(absl::GetFlag(FLAGS_top_k));
@@ -312,12 +315,12 @@ int Generate(v1::Hmoe::Stub* stub) {
   if (!s.ok()) return Fail("generate", s);
   const v1::Timing& t = finished.timing();
   std::cerr << absl::StrFormat(
-      "finish %s, %d prompt + %d generated tokens, path %s (%d attempt%s), queue %.1f ms, "
-      "TTFT %.1f ms, TPOT %.1f ms, total %.1f ms\n",
+      "finish %s, %d prompt (%d cached) + %d generated tokens, path %s (%d attempt%s), queue "
+      "%.1f ms, TTFT %.1f ms, TPOT %.1f ms, total %.1f ms\n",
       v1::FinishReason_Name(finished.reason()).substr(14), finished.usage().prompt_tokens(),
-      finished.usage().completion_tokens(), v1::Path_Name(t.path()).substr(5), t.attempts(),
-      t.attempts() == 1 ? "" : "s", t.queue_us() / 1e3, t.ttft_us() / 1e3, t.tpot_us() / 1e3,
-      t.total_us() / 1e3);
+      finished.usage().cached_prompt_tokens(), finished.usage().completion_tokens(),
+      v1::Path_Name(t.path()).substr(5), t.attempts(), t.attempts() == 1 ? "" : "s",
+      t.queue_us() / 1e3, t.ttft_us() / 1e3, t.tpot_us() / 1e3, t.total_us() / 1e3);
   return 0;
 }
 

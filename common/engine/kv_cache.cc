@@ -72,6 +72,22 @@ void KvSequence::SetNumTokens(int64_t num_tokens) {
   num_tokens_ = num_tokens;
 }
 
+absl::Status KvSequence::AdoptBlocks(const std::vector<int32_t>& blocks, int64_t num_tokens) {
+  if (cache_ == nullptr) return absl::FailedPreconditionError("kv sequence: not bound to a cache");
+  if (!blocks_.empty() || num_tokens_ != 0) {
+    return absl::FailedPreconditionError("kv sequence: adopting blocks into a non-empty sequence");
+  }
+  const int64_t block_size = cache_->config().block_size;
+  if (num_tokens < 0 || num_tokens > static_cast<int64_t>(blocks.size()) * block_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv sequence: ", num_tokens, " tokens in ", blocks.size(), " blocks"));
+  }
+  cache_->Retain(blocks);
+  blocks_ = blocks;
+  num_tokens_ = num_tokens;
+  return absl::OkStatus();
+}
+
 void KvSequence::Reset() {
   if (cache_ != nullptr && !blocks_.empty()) cache_->FreeBlocks(blocks_);
   blocks_.clear();
@@ -83,6 +99,7 @@ void KvSequence::Reset() {
 KvCache::KvCache(Device* device, const KvCacheConfig& config, DeviceBuffer memory)
     : device_(device), config_(config), memory_(std::move(memory)) {
   free_.reserve(config.num_blocks);
+  refs_.assign(config.num_blocks, 0);
   // A stack: block 0 is handed out first.
   for (int64_t b = config.num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
 }
@@ -126,14 +143,58 @@ absl::Status KvCache::AllocateBlocks(int64_t count, std::vector<int32_t>* out) {
   }
   for (int64_t i = 0; i < count; ++i) {
     out->push_back(free_.back());
+    refs_[free_.back()] = 1;
     free_.pop_back();
   }
   return absl::OkStatus();
 }
 
-void KvCache::FreeBlocks(const std::vector<int32_t>& blocks) {
+void KvCache::FreeBlocks(const std::vector<int32_t>& blocks) { Release(blocks); }
+
+absl::StatusOr<int32_t> KvCache::AllocateBlock() {
+  std::vector<int32_t> one;
+  HMOE_RETURN_IF_ERROR(AllocateBlocks(1, &one));
+  return one[0];
+}
+
+void KvCache::Retain(const std::vector<int32_t>& blocks) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) free_.push_back(*it);
+  for (int32_t b : blocks) {
+    HMOE_CHECK(b >= 0 && b < config_.num_blocks && refs_[b] > 0) << "retain of free block " << b;
+    ++refs_[b];
+  }
+}
+
+void KvCache::Release(const std::vector<int32_t>& blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Reverse order, so a sequence's first block is handed out first again (a stack).
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+    const int32_t b = *it;
+    HMOE_CHECK(b >= 0 && b < config_.num_blocks && refs_[b] > 0) << "release of free block " << b;
+    if (--refs_[b] == 0) free_.push_back(b);
+  }
+}
+
+int32_t KvCache::block_refs(int32_t block) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  HMOE_CHECK(block >= 0 && block < config_.num_blocks) << "block " << block;
+  return refs_[block];
+}
+
+absl::Status KvCache::CopyBlockRows(int32_t src, int32_t dst, int64_t rows, Stream& stream) {
+  if (src < 0 || src >= config_.num_blocks || dst < 0 || dst >= config_.num_blocks || rows < 0 ||
+      rows > config_.block_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv copy: blocks ", src, " -> ", dst, ", ", rows, " rows"));
+  }
+  if (rows == 0 || src == dst) return absl::OkStatus();
+  const size_t bytes = static_cast<size_t>(rows * config_.row_floats()) * sizeof(float);
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const KvLayerView view = layer_view(l);
+    HMOE_RETURN_IF_ERROR(device_->CopyOnDevice(stream, view.base + dst * view.block_stride,
+                                               view.base + src * view.block_stride, bytes));
+  }
+  return absl::OkStatus();
 }
 
 size_t KvCache::ExportBytes(int64_t num_tokens) const {

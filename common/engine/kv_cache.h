@@ -11,6 +11,12 @@
 // i.e. KvLayerView{base = data + layer * num_blocks * block_size * row_floats,
 //                  block_stride = block_size * row_floats, row_floats = kv_lora_rank + rope_dim}.
 //
+// Blocks are reference-counted so sequences can share a prefix (common/engine/prefix_cache.h): a
+// block returns to the pool when its last holder (a sequence or the prefix cache) lets it go. A
+// shared block is always one whose tokens are all written (a full block of a finished prefix, or
+// a partial block of a finished sequence that only the prefix cache holds): a sequence appends
+// only to blocks it alone holds, so shared rows never change.
+//
 // Hand-off format (Export/Import; prefill worker -> decode worker): a flat, contiguous byte
 // buffer of ExportBytes(n) = num_layers * n * (kv_lora_rank + rope_dim) * 4 bytes, little-endian
 // F32, layer-major then token-major:
@@ -87,6 +93,11 @@ class KvSequence {
   void SetNumTokens(int64_t num_tokens);
   // Returns every block to the pool; the sequence becomes empty (still bound to its cache).
   void Reset();
+  // Makes the empty sequence start with `blocks`, already written, holding `num_tokens` tokens
+  // (<= blocks.size() * block_size), taking a reference on each (the caller keeps its own).
+  // Every block but the last must be full, and the last must be full too or held by nobody else:
+  // the sequence will append into it. FailedPrecondition when the sequence is not empty.
+  absl::Status AdoptBlocks(const std::vector<int32_t>& blocks, int64_t num_tokens);
 
  private:
   friend class KvCache;
@@ -114,6 +125,17 @@ class KvCache {
 
   // An empty sequence of this cache.
   KvSequence NewSequence() { return KvSequence(this); }
+
+  // Block references for holders other than sequences (the prefix cache). AllocateBlock takes one
+  // free block with one reference (ResourceExhausted when none is free); Retain adds a reference
+  // to held blocks; Release drops one, and a block whose last reference goes returns to the pool.
+  absl::StatusOr<int32_t> AllocateBlock();
+  void Retain(const std::vector<int32_t>& blocks);
+  void Release(const std::vector<int32_t>& blocks);
+  // References on `block` (0 when free).
+  int32_t block_refs(int32_t block) const;
+  // Copies rows [0, rows) of every layer from block `src` to block `dst`, enqueued on `stream`.
+  absl::Status CopyBlockRows(int32_t src, int32_t dst, int64_t rows, Stream& stream);
 
   // The device view of `layer` (0 <= layer < num_layers).
   KvLayerView layer_view(int64_t layer) const;
@@ -148,6 +170,7 @@ class KvCache {
   // std::mutex, not absl::Mutex: see common/device/sync_internal.h.
   mutable std::mutex mu_;
   std::vector<int32_t> free_;  // guarded by mu_: stack of free block indices
+  std::vector<int32_t> refs_;  // guarded by mu_: references per block (0 = in free_)
 };
 
 }  // namespace hmoe

@@ -128,6 +128,10 @@ void RegistryClient::Loop() {
       l->set_kv_blocks_free(load.kv_blocks_free);
       l->set_kv_blocks_total(load.kv_blocks_total);
       l->set_tokens_per_second(load.tokens_per_second);
+      l->set_prefix_cache_tokens(load.prefix_cache_tokens);
+      l->set_prefix_cache_hit_tokens(load.prefix_cache_hit_tokens);
+      l->set_prefix_cache_hits(load.prefix_cache_hits);
+      l->set_prefix_cache_evicted_blocks(load.prefix_cache_evicted_blocks);
       reg::HeartbeatResponse resp;
       grpc::ClientContext ctx;
       ctx.set_deadline(deadline());

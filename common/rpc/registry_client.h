@@ -52,6 +52,11 @@ struct WorkerLoadReport {
   int64_t kv_blocks_free = 0;
   int64_t kv_blocks_total = 0;
   double tokens_per_second = 0;
+  // Decode workers' prefix cache (proto/worker_registry.proto WorkerLoad).
+  int64_t prefix_cache_tokens = 0;
+  int64_t prefix_cache_hit_tokens = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t prefix_cache_evicted_blocks = 0;
 };
 
 class RegistryClient {

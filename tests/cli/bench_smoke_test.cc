@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -78,6 +79,7 @@ TEST(BenchSmokeTest, BadFlagsExitTwoWithAMessage) {
       {{"--arrival", "uniform"}, "--arrival"},
       {{"--rate", "0"}, "--rate"},
       {{"--requests", "0"}, "--requests"},
+      {{"--turns", "0"}, "--turns"},
       {{"--scenario", "1X"}, "--scenario"},
       {{"--slo-tpot", "0s"}, "--slo-tpot"},
       {{"--hint", "fast"}, "--hint"},
@@ -270,6 +272,39 @@ TEST(BenchSmokeTest, TenRequestsAndTheScenariosOnTiny) {
   CheckDistribution(s["e2e_s"], 10);
   CheckDistribution(s["tpot_s"], 10);  // every output length >= 2
   EXPECT_EQ(s["itl_s"]["count"], tokens - 10);
+
+  // --- a multi-turn chat (issue 23): 3 conversations of 3 turns, closed loop; each later turn
+  // resends the history, so the decode worker's prefix cache supplies all of it but the last
+  // answer token (never fed back) and the new message.
+  const std::string chat_json = d + "/chat.json";
+  ran = Bench(d, "chat",
+              {"--addr=" + addr, "--requests=3", "--warmup=0", "--turns=3", "--arrival=closed",
+               "--concurrency=2", "--prompt-len=uniform:8:24", "--output-len=uniform:3:6",
+               "--seed=7", "--json=" + chat_json});
+  ASSERT_EQ(ran.code, 0) << ran.err;
+  EXPECT_NE(ran.out.find("prefix cache: "), std::string::npos) << ran.out;
+  ASSERT_NO_THROW(doc = json::parse(ReadFile(chat_json)));
+  EXPECT_EQ(doc["config"]["turns"], 3);
+  ASSERT_EQ(doc["requests"].size(), 9u);
+  int64_t expect_cached = 0, prompt_total = 0;
+  std::map<int64_t, int64_t> previous;  // conversation -> previous turn's prompt + output tokens
+  for (const json& q : doc["requests"]) {
+    CheckRequest(q, true);
+    const int64_t c = q["conversation"], turn = q["turn"];
+    const int64_t cached = q["cached_prompt_tokens"];
+    if (turn == 0) {
+      EXPECT_EQ(cached, 0) << q.dump();
+    } else {
+      EXPECT_EQ(cached, previous[c] - 1) << q.dump();
+      expect_cached += previous[c] - 1;
+    }
+    previous[c] = q["prompt_tokens"].get<int64_t>() + q["output_tokens"].get<int64_t>();
+    prompt_total += q["prompt_tokens"].get<int64_t>();
+  }
+  const json& pc = doc["summary"]["prefix_cache"];
+  EXPECT_EQ(pc["cached_prompt_tokens"], expect_cached);
+  EXPECT_EQ(pc["prompt_tokens"], prompt_total);
+  EXPECT_EQ(pc["requests_with_hits"], 6);
 
   // --- the five scenarios at toy sizes (a 64-token "prefill", 12-token decodes), once each.
   const std::string scen_json = d + "/scenarios.json";

@@ -5,6 +5,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -75,6 +77,18 @@ class GatedStepEngine final : public StepEngine {
       int64_t reserve_tokens, const KvImportSource& source) override {
     return inner_.NewImportedSequence(reserve_tokens, source);
   }
+  absl::StatusOr<std::unique_ptr<StepSequence>> NewSequenceFromPrefix(
+      int64_t reserve_tokens, std::span<const int32_t> prompt) override {
+    return inner_.NewSequenceFromPrefix(reserve_tokens, prompt);
+  }
+  void OfferPrefix(const StepSequence& sequence, std::span<const int32_t> tokens,
+                   bool finished) override {
+    inner_.OfferPrefix(sequence, tokens, finished);
+  }
+  int64_t CachedPrefixTokens(std::span<const int32_t> prompt) const override {
+    return inner_.CachedPrefixTokens(prompt);
+  }
+  PrefixCacheStats prefix_cache_stats() const override { return inner_.prefix_cache_stats(); }
   absl::StatusOr<std::unique_ptr<StepBatch>> NewStepBatch() override {
     absl::StatusOr<std::unique_ptr<StepBatch>> batch = inner_.NewStepBatch();
     if (!batch.ok()) return batch.status();
@@ -143,8 +157,10 @@ class DecodeEngineTest : public ::testing::Test {
     device_ = NewCpuDevice(dopt);
   }
 
-  std::unique_ptr<ForwardPassStepEngine> MakeEngine(int batch, int chunk, int64_t kv_blocks = 64) {
+  std::unique_ptr<ForwardPassStepEngine> MakeEngine(int batch, int chunk, int64_t kv_blocks = 64,
+                                                    int64_t prefix_cache_blocks = 0) {
     ForwardPassStepEngineOptions o;
+    o.prefix_cache_blocks = prefix_cache_blocks;
     o.max_step_tokens = chunk + batch;
     o.max_step_sequences = batch;
     o.kv_blocks = kv_blocks;
@@ -310,6 +326,252 @@ TEST_F(DecodeEngineTest, ImportedReferenceKvCacheContinuesLikeThePrefill) {
   auto agreement = CheckAgreement(ref, prompt, generated);
   ASSERT_TRUE(agreement.ok());
   EXPECT_TRUE(agreement->ok()) << agreement->detail;
+}
+
+// ------------------------------------------------------------------------------ prefix cache
+// (issue 23). Reusing a prefix's KV must give exactly the tokens a full prefill gives: the KV of a
+// token depends only on the tokens before it, and the engine's results do not depend on how a
+// prompt is chunked or what shares a step. Each case compares the cache-on tokens with the same
+// request run alone on an engine without a prefix cache (greedy).
+
+class PrefixCacheEngineTest : public DecodeEngineTest {
+ protected:
+  static constexpr int kNew = 8;
+
+  // The tokens of `prompt` run alone without a prefix cache (memoized).
+  std::vector<int32_t> Expected(const std::vector<int32_t>& prompt) {
+    for (const auto& [p, tokens] : expected_) {
+      if (p == prompt) return tokens;
+    }
+    if (off_ == nullptr) {
+      off_engine_ = MakeEngine(6, 64, 512, 0);
+      SchedulerOptions so;
+      so.batch_size = 6;
+      so.chunk_size = 64;
+      auto s = Scheduler::Create(*off_engine_, so);
+      EXPECT_TRUE(s.ok()) << s.status();
+      off_ = *std::move(s);
+    }
+    auto ch = off_->Submit(Greedy(absl::StrCat("off", expected_.size()), prompt, kNew));
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    if (!ch.ok()) return {};
+    Result r = Collect(**ch);
+    EXPECT_EQ(r.finish.reason, FinishReason::kLength) << r.finish.error;
+    EXPECT_EQ(r.finish.cached_tokens, 0);
+    expected_.emplace_back(prompt, r.tokens);
+    return r.tokens;
+  }
+
+  void TearDown() override {
+    off_.reset();
+    off_engine_.reset();
+  }
+
+  std::unique_ptr<ForwardPassStepEngine> off_engine_;
+  std::unique_ptr<Scheduler> off_;
+  std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> expected_;
+};
+
+// Fills every free block of the engine's pool with NaN, so that a row the prefix cache should
+// have copied but did not cannot pass for the right one (the pool hands out the last freed block
+// first, which often holds exactly that row). Only while the scheduler is idle.
+void PoisonFreeBlocks(ForwardPassStepEngine& engine) {
+  KvCache& kv = engine.kv_cache();
+  for (int64_t l = 0; l < kv.config().num_layers; ++l) {
+    const KvLayerView v = kv.layer_view(l);
+    for (int32_t b = 0; b < kv.num_blocks(); ++b) {
+      if (kv.block_refs(b) != 0) continue;
+      std::fill(v.base + b * v.block_stride, v.base + (b + 1) * v.block_stride,
+                std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// A 1,000-token shared prefix: the second request reuses all of it (62 shared blocks of 16 and 8
+// rows copied) and produces the tokens of a full prefill; so does an identical prompt (all but
+// its last token reused) and the next turn of a chat (prompt + answer + new text).
+TEST_F(PrefixCacheEngineTest, ASharedThousandTokenPrefixGivesTheTokensOfAFullPrefill) {
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
+  ASSERT_NE(engine, nullptr);
+  SchedulerOptions so;
+  so.batch_size = 6;
+  so.chunk_size = 64;
+  auto scheduler = Scheduler::Create(*engine, so);
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  const std::vector<int32_t> prefix = Prompt(1000, 11);
+  const std::vector<int32_t> a = Concat(prefix, Prompt(4, 1));
+  const std::vector<int32_t> b = Concat(prefix, Prompt(7, 2));
+  auto run = [&](const std::string& id, const std::vector<int32_t>& prompt) {
+    PoisonFreeBlocks(*engine);
+    auto ch = (*scheduler)->Submit(Greedy(id, prompt, kNew));
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    return ch.ok() ? Collect(**ch) : Result{};
+  };
+  Result ra = run("a", a);
+  EXPECT_EQ(ra.finish.cached_tokens, 0);
+  EXPECT_EQ(ra.tokens, Expected(a));
+  Result rb = run("b", b);
+  EXPECT_EQ(rb.finish.cached_tokens, 1000);
+  EXPECT_EQ(rb.tokens, Expected(b));
+  Result again = run("a2", a);
+  EXPECT_EQ(again.finish.cached_tokens, static_cast<int32_t>(a.size()) - 1);
+  EXPECT_EQ(again.tokens, ra.tokens);
+  // The next turn: a, its answer (all of whose tokens but the last were fed back) and 3 more.
+  const std::vector<int32_t> turn = Concat(Concat(a, ra.tokens), Prompt(3, 3));
+  Result rt = run("turn", turn);
+  EXPECT_EQ(rt.finish.cached_tokens, static_cast<int32_t>(a.size() + ra.tokens.size()) - 1);
+  EXPECT_EQ(rt.tokens, Expected(turn));
+  const SchedulerStats st = (*scheduler)->stats();
+  EXPECT_EQ(st.prefix_cache.lookups, 4);
+  EXPECT_EQ(st.prefix_cache.hits, 3);
+  EXPECT_EQ(st.prefix_cache.evicted_blocks, 0);
+  (*scheduler)->Shutdown();
+  // Every block is free or held by the cache alone.
+  EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
+}
+
+// Six requests in one batch (dual batch on: two micro-batches on two threads read the shared
+// blocks at once), hits and misses mixed; then the same with a budget of 3 blocks, which evicts
+// all the time: results stay exact.
+TEST_F(PrefixCacheEngineTest, MixedHitsAndMissesInABatchOfSixAndATinyBudgetStayExact) {
+  const std::vector<int32_t> prefix = Prompt(200, 21);
+  for (int64_t budget : {512, 3}) {
+    SCOPED_TRACE(absl::StrCat("budget ", budget));
+    std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, budget);
+    ASSERT_NE(engine, nullptr);
+    GatedStepEngine gated(*engine);
+    SchedulerOptions so;
+    so.batch_size = 6;
+    so.chunk_size = 64;
+    so.dual_batch = true;
+    auto scheduler = Scheduler::Create(gated, so);
+    ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+    // Warm the cache with the prefix and one continuation.
+    const std::vector<int32_t> warm = Concat(prefix, Prompt(5, 30));
+    auto w = (*scheduler)->Submit(Greedy("warm", warm, kNew));
+    ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(Collect(**w).tokens, Expected(warm));
+    const std::vector<std::vector<int32_t>> prompts = {
+        Concat(prefix, Prompt(9, 31)),           // hit: the prefix
+        Prompt(40, 32),                          // miss
+        warm,                                    // hit: all but the last token
+        Concat(prefix, Prompt(70, 33)),          // hit, long suffix (two chunks)
+        Prompt(17, 34),                          // miss
+        Concat(Prompt(100, 21), Prompt(4, 35)),  // hit: the prefix's first 100 tokens
+    };
+    std::vector<std::shared_ptr<RequestChannel>> channels;
+    PoisonFreeBlocks(*engine);
+    gated.Close();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto ch = (*scheduler)->Submit(Greedy(absl::StrCat("r", i), prompts[i], kNew));
+      EXPECT_TRUE(ch.ok()) << ch.status();
+      if (ch.ok()) channels.push_back(*ch);
+    }
+    gated.Open();
+    ASSERT_EQ(channels.size(), prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      Result r = Collect(*channels[i]);
+      ASSERT_EQ(r.finish.reason, FinishReason::kLength) << r.finish.error;
+      EXPECT_EQ(r.tokens, Expected(prompts[i])) << "request " << i;
+      if (budget == 512) {
+        const int32_t want[] = {200, 0, static_cast<int32_t>(warm.size()) - 1, 200, 0, 100};
+        EXPECT_EQ(r.finish.cached_tokens, want[i]) << "request " << i;
+      }
+    }
+    const SchedulerStats st = (*scheduler)->stats();
+    EXPECT_GE(st.max_running_seen, 6);
+    EXPECT_GT(st.dual_steps, 0);
+    if (budget == 3) {
+      EXPECT_GT(st.prefix_cache.evicted_blocks, 0);
+      EXPECT_LE(st.prefix_cache.cached_blocks, 3);
+    }
+    (*scheduler)->Shutdown();
+    EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
+  }
+}
+
+// Requests that share and extend one prefix while its first request is still decoding: they
+// reuse its prompt's full blocks (offered when its prefill finished) while it appends to its own
+// last block, and everything stays exact.
+TEST_F(PrefixCacheEngineTest, ConcurrentRequestsShareAndExtendARunningPrefix) {
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
+  ASSERT_NE(engine, nullptr);
+  SchedulerOptions so;
+  so.batch_size = 6;
+  so.chunk_size = 64;
+  so.dual_batch = true;
+  auto scheduler = Scheduler::Create(*engine, so);
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  const std::vector<int32_t> base = Prompt(150, 41);  // 9 full blocks of 16 + 6 tokens
+  GenerationRequest first = Greedy("base", base, 40);
+  auto ch0 = (*scheduler)->Submit(std::move(first));
+  ASSERT_TRUE(ch0.ok()) << ch0.status();
+  // Wait for its first token: its prompt is prefilled and offered, and it keeps decoding.
+  std::optional<RequestEvent> e = (*ch0)->Pop(absl::Now() + absl::Seconds(120));
+  ASSERT_TRUE(e.has_value() && std::holds_alternative<TokenEvent>(*e));
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::shared_ptr<RequestChannel>> channels;
+  std::vector<int32_t> p = base;
+  for (int i = 0; i < 4; ++i) {
+    p = Concat(p, Prompt(5 + i, 50 + i));  // each extends the one before
+    prompts.push_back(p);
+    auto ch = (*scheduler)->Submit(Greedy(absl::StrCat("ext", i), p, kNew));
+    ASSERT_TRUE(ch.ok()) << ch.status();
+    channels.push_back(*ch);
+  }
+  for (size_t i = 0; i < channels.size(); ++i) {
+    Result r = Collect(*channels[i]);
+    ASSERT_EQ(r.finish.reason, FinishReason::kLength) << r.finish.error;
+    EXPECT_GE(r.finish.cached_tokens, 144) << "request " << i;
+    EXPECT_EQ(r.tokens, Expected(prompts[i])) << "request " << i;
+  }
+  Result r0 = Collect(**ch0);
+  ASSERT_EQ(r0.finish.reason, FinishReason::kLength) << r0.finish.error;
+  (*scheduler)->Shutdown();
+  EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
+}
+
+// Opting out reuses nothing and offers nothing; cached blocks filling the pool give way to new
+// requests, opted out or not.
+TEST_F(PrefixCacheEngineTest, ARequestCanOptOutAndCachedBlocksGiveWay) {
+  // 32 blocks of 16 tokens: three cached 150-token requests hold 30 of them.
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 32, 32);
+  ASSERT_NE(engine, nullptr);
+  SchedulerOptions so;
+  so.batch_size = 6;
+  so.chunk_size = 64;
+  auto scheduler = Scheduler::Create(*engine, so);
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  auto run = [&](GenerationRequest r) {
+    auto ch = (*scheduler)->Submit(std::move(r));
+    EXPECT_TRUE(ch.ok()) << ch.status();
+    return ch.ok() ? Collect(**ch) : Result{};
+  };
+  for (int i = 0; i < 3; ++i) run(Greedy(absl::StrCat("fill", i), Prompt(150, 70 + i), kNew));
+  EXPECT_GE((*scheduler)->stats().prefix_cache.cached_blocks, 27);
+  const std::vector<int32_t> prompt = Prompt(300, 61);  // 20 blocks with its 8 new tokens
+  for (int i = 0; i < 2; ++i) {
+    GenerationRequest r = Greedy(absl::StrCat("off", i), prompt, kNew);
+    r.use_prefix_cache = false;
+    Result res = run(std::move(r));
+    ASSERT_EQ(res.finish.reason, FinishReason::kLength) << res.finish.error;
+    EXPECT_EQ(res.finish.cached_tokens, 0);
+    EXPECT_EQ(res.tokens, Expected(prompt));
+  }
+  const SchedulerStats st = (*scheduler)->stats();
+  EXPECT_EQ(st.prefix_cache.lookups, 3);
+  EXPECT_GT(st.prefix_cache.evicted_blocks, 0);
+  // Nothing of the opted-out prompt was kept.
+  EXPECT_EQ(engine->CachedPrefixTokens(prompt), 0);
+  // A cached request that needs most of the pool evicts the rest too.
+  Result big = run(Greedy("big", Prompt(480, 62), kNew));
+  ASSERT_EQ(big.finish.reason, FinishReason::kLength) << big.finish.error;
+  EXPECT_EQ(big.tokens, Expected(Prompt(480, 62)));
 }
 
 }  // namespace

@@ -92,6 +92,9 @@ class FakeDecodeService final : public dv1::DecodeService::Service {
                                                                    : dv1::FINISH_REASON_LENGTH);
     r.mutable_finished()->set_stop_token_id(-1);
     r.mutable_finished()->mutable_usage()->set_completion_tokens(n);
+    // A prefix cache that holds all but the last prompt token, unless the request opts out.
+    r.mutable_finished()->mutable_usage()->set_cached_tokens(
+        request->no_prefix_cache() ? 0 : request->prompt_token_ids_size() - 1);
     writer->Write(r);
     return grpc::Status::OK;
   }
@@ -259,6 +262,15 @@ TEST_F(RouterHttpTest, HealthModelsChatAndCompletions) {
   EXPECT_GT(prompt_tokens, 3);
   EXPECT_EQ(chat["usage"]["completion_tokens"], prompt_tokens);
   EXPECT_EQ(chat["usage"]["total_tokens"], 2 * prompt_tokens);
+  EXPECT_EQ(chat["usage"]["prompt_tokens_details"]["cached_tokens"], prompt_tokens - 1);
+  // "cache_prompt": false reaches the decode worker as no_prefix_cache.
+  {
+    json off = Parse(kChat);
+    off["cache_prompt"] = false;
+    HttpResponse o = HttpCall(port, "POST", "/v1/chat/completions", off.dump());
+    ASSERT_EQ(o.status, 200) << o.body;
+    EXPECT_EQ(Parse(o.body)["usage"]["prompt_tokens_details"]["cached_tokens"], 0) << o.body;
+  }
 
   // Streaming: a role chunk, content deltas that add up to the same text, the finish reason, the
   // usage chunk, [DONE].
@@ -319,14 +331,17 @@ TEST_F(RouterHttpTest, HealthModelsChatAndCompletions) {
   EXPECT_EQ(events.back(), "[DONE]");
   EXPECT_EQ(Parse(events[events.size() - 2])["choices"][0]["finish_reason"], "length");
 
-  // Prometheus metrics: both requests above counted, their TTFT observed.
+  // Prometheus metrics: the six requests above counted, their TTFT observed.
   r = HttpCall(port, "GET", "/metrics");
   ASSERT_EQ(r.status, 200);
   EXPECT_TRUE(absl::StartsWith(r.Header("content-type"), "text/plain; version=0.0.4"));
-  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_requests_total{outcome=\"ok\",path=\"chunked\"} 5"))
+  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_requests_total{outcome=\"ok\",path=\"chunked\"} 6"))
       << r.body;
-  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_time_to_first_token_seconds_count 5")) << r.body;
+  EXPECT_TRUE(absl::StrContains(r.body, "hmoe_time_to_first_token_seconds_count 6")) << r.body;
   EXPECT_TRUE(absl::StrContains(r.body, "hmoe_worker_up{kind=\"decode\",worker=\"fake-decode\"} 1"))
+      << r.body;
+  EXPECT_TRUE(absl::StrContains(
+      r.body, "hmoe_worker_prefix_cache_tokens{kind=\"decode\",worker=\"fake-decode\"} 0"))
       << r.body;
 
   // Keep-alive: two requests on one connection.
@@ -415,6 +430,9 @@ TEST_F(RouterHttpTest, BadInputGetsOpenAiErrorsAndTheServerServesOn) {
       {"wrong type", "POST", "/v1/chat/completions",
        R"({"messages":[{"role":"user","content":"hi"}],"temperature":"hot"})", 400, "temperature",
        "expected a number"},
+      {"cache_prompt not a boolean", "POST", "/v1/chat/completions",
+       R"({"messages":[{"role":"user","content":"hi"}],"cache_prompt":"yes"})", 400, "cache_prompt",
+       "expected a boolean"},
       {"wrong content type", "POST", "/v1/chat/completions",
        R"({"messages":[{"role":"user","content":5}]})", 400, "messages[0].content",
        "expected a string or a list of parts"},

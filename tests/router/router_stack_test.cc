@@ -638,6 +638,113 @@ TEST_F(RouterStackTest, LongPromptsTakeThePolicyPathAndAgreeWithTheReference) {
   EXPECT_EQ(with_decode.finish.timing().path(), v1::PATH_SLP);
 }
 
+// Issue 23 acceptance 1 through the real processes: a second request sharing a 1,000-token prefix
+// with the first produces exactly the tokens it produces with the cache off, whatever path the
+// first took (chunked; SLP on CPU prefill workers, whose KV is bit-identical to the decode
+// worker's and joins its cache; DSLP, whose KV does not join under --prefix-cache-imports=exact),
+// and so does a batch of six with hits and misses mixed. The cache-off tokens come from the
+// decode worker's own chunked prefill (hint CHUNKED, cache_prompt false).
+TEST_F(RouterStackTest, APrefixCacheHitGivesTheTokensOfRecomputingOnEveryPath) {
+  if (!HavePrefillWorker()) GTEST_SKIP() << "hmoe-prefill-worker is not built in this tree";
+  // Prompts of >= 256 tokens are long; a cached prefix leaves a short suffix for chunked prefill.
+  auto stack = Stack::Start("prefix", 2, {"--chunk-threshold=256", "--cpu-devices-shared=false"},
+                            {"--batch-size", "6", "--chunk-size", "64", "--kv-blocks", "512"});
+  ASSERT_NE(stack, nullptr);
+  constexpr int kNew = 8;
+  auto run = [&](const std::string& id, const std::vector<int32_t>& prompt, v1::PathHint hint,
+                 bool cache) {
+    v1::GenerateRequest r = Greedy(id, prompt, kNew);
+    r.set_path_hint(hint);
+    r.set_cache_prompt(cache);
+    Stream s = stack->client().Generate(r);
+    EXPECT_TRUE(s.status.ok()) << id << ": " << s.status.error_message();
+    EXPECT_EQ(s.tokens.size(), static_cast<size_t>(kNew)) << id;
+    return s;
+  };
+  std::map<std::string, std::vector<int32_t>> off;  // cache-off tokens by request name
+  std::map<std::string, std::vector<int32_t>> prompts;
+  auto add = [&](const std::string& name, std::vector<int32_t> prompt) {
+    prompts[name] = prompt;
+    off[name] = run(name + "-off", prompt, v1::PATH_HINT_CHUNKED, false).tokens;
+  };
+  auto with = [](std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<int32_t> p1 = Prompt(1000, 71), p2 = Prompt(1000, 72), p3 = Prompt(1000, 73);
+  add("a1", with(p1, Prompt(8, 1)));
+  add("b1", with(p1, Prompt(6, 2)));
+  add("a2", with(p2, Prompt(8, 3)));
+  add("b2", with(p2, Prompt(6, 4)));
+  add("a3", with(p3, Prompt(8, 5)));
+  add("b3", with(p3, Prompt(6, 6)));
+  for (int i = 0; i < 3; ++i) add(absl::StrCat("h", i), with(p1, Prompt(4 + i, 10 + i)));
+  add("h3", with(p2, Prompt(5, 13)));
+  add("m0", Prompt(40, 14));
+  add("m1", Prompt(70, 15));
+  EXPECT_EQ(stack->DecodeStatus().prefix_cache_blocks(), 0) << "cache-off requests were cached";
+
+  // Chunked first: the second request reuses all 1,000 tokens.
+  Stream a1 = run("a1", prompts["a1"], v1::PATH_HINT_CHUNKED, true);
+  EXPECT_EQ(a1.tokens, off["a1"]);
+  EXPECT_EQ(a1.finish.usage().cached_prompt_tokens(), 0);
+  Stream b1 = run("b1", prompts["b1"], v1::PATH_HINT_AUTO, true);
+  EXPECT_EQ(b1.finish.timing().path(), v1::PATH_CHUNKED) << "1,006 tokens, 1,000 cached";
+  EXPECT_EQ(b1.finish.usage().cached_prompt_tokens(), 1000);
+  EXPECT_EQ(b1.tokens, off["b1"]);
+
+  // SLP first (CPU prefill worker): its KV joins the cache, the second request is a short chunked
+  // prefill over it.
+  Stream a2 = run("a2", prompts["a2"], v1::PATH_HINT_SLP, true);
+  EXPECT_EQ(a2.finish.timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(a2.tokens, off["a2"]);
+  Stream b2 = run("b2", prompts["b2"], v1::PATH_HINT_AUTO, true);
+  EXPECT_EQ(b2.finish.timing().path(), v1::PATH_CHUNKED);
+  EXPECT_EQ(b2.finish.usage().cached_prompt_tokens(), 1000);
+  EXPECT_EQ(b2.tokens, off["b2"]);
+
+  // DSLP first: its ring attention rounds differently, so its KV stays out of the cache; the
+  // second request misses and recomputes (on a prefill worker: long, decode active).
+  Stream a3 = run("a3", prompts["a3"], v1::PATH_HINT_DSLP, true);
+  EXPECT_EQ(a3.finish.timing().path(), v1::PATH_DSLP);
+  Stream b3 = run("b3", prompts["b3"], v1::PATH_HINT_AUTO, true);
+  EXPECT_EQ(b3.finish.usage().cached_prompt_tokens(), 0);
+  EXPECT_EQ(b3.finish.timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(b3.tokens, off["b3"]);
+
+  // Six at once: four hits (three on p1, one on p2) and two misses.
+  const std::vector<std::string> batch = {"h0", "m0", "h1", "h3", "m1", "h2"};
+  std::vector<Stream> streams(batch.size());
+  {
+    std::vector<std::jthread> clients;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      clients.emplace_back(
+          [&, i] { streams[i] = run(batch[i], prompts[batch[i]], v1::PATH_HINT_AUTO, true); });
+    }
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    EXPECT_EQ(streams[i].tokens, off[batch[i]]) << batch[i];
+    EXPECT_EQ(streams[i].finish.timing().path(), v1::PATH_CHUNKED) << batch[i];
+    EXPECT_EQ(streams[i].finish.usage().cached_prompt_tokens(), batch[i][0] == 'h' ? 1000 : 0)
+        << batch[i];
+  }
+  const decode::v1::WorkerStatus st = stack->DecodeStatus();
+  EXPECT_EQ(st.prefix_cache_hits(), 6);
+  EXPECT_EQ(st.prefix_cache_hit_tokens(), 6000);
+  EXPECT_GT(st.prefix_cache_tokens(), 2000);
+  // The router's status carries the worker's figures from its heartbeats.
+  bool seen = false;
+  for (int i = 0; i < 50 && !seen; ++i) {
+    const v1::RouterStatus status = stack->client().Status();
+    for (const v1::WorkerInfo& w : status.workers()) {
+      seen = seen || (w.worker_id() == "decode-0" && w.prefix_cache_hits() == 6 &&
+                      w.prefix_cache_hit_tokens() == 6000);
+    }
+    if (!seen) absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_TRUE(seen) << "the router never reported the decode worker's prefix-cache hits";
+}
+
 // Issue #5 acceptance 3 through the real processes: SIGKILL one rank of a 3-worker DSLP group
 // mid-prefill. The request fails at once with UNAVAILABLE naming the dead worker (the router runs
 // with --max-dispatch-attempts=1 here, so the failure is not hidden by a retry); the router keeps
@@ -1262,6 +1369,14 @@ TEST_F(RouterStackTest, KillingTheDecodeWorkerUnderSupervisord) {
   ASSERT_GT(weightd_pid, 0);
   ASSERT_GT(decode_pid, 0);
 
+  // Issue 23: the worker's prefix cache serves a repeated prompt...
+  const std::vector<int32_t> cached_prompt = Prompt(40, 77);
+  const Stream first = c.Generate(Greedy("cached-0", cached_prompt, 8));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  const Stream second = c.Generate(Greedy("cached-1", cached_prompt, 8));
+  EXPECT_EQ(second.finish.usage().cached_prompt_tokens(), 39);
+  EXPECT_EQ(second.tokens, first.tokens);
+
   Victims victims;
   victims.Start(c, 4, 6, 900, "v");
   while (victims.streaming.load() < 4) std::this_thread::sleep_for(1ms);
@@ -1297,6 +1412,14 @@ TEST_F(RouterStackTest, KillingTheDecodeWorkerUnderSupervisord) {
   const std::vector<int32_t> prompt = Prompt(12, 7);
   const Stream after = c.Generate(Greedy("after", prompt, 16));
   ExpectAgreement(prompt, after, 16, "after the restart");
+  // ... and the restarted worker starts with an empty cache and serves on.
+  const Stream lost = c.Generate(Greedy("cached-2", cached_prompt, 8));
+  ASSERT_TRUE(lost.status.ok()) << lost.status.error_message();
+  EXPECT_EQ(lost.finish.usage().cached_prompt_tokens(), 0);
+  EXPECT_EQ(lost.tokens, first.tokens);
+  const Stream again = c.Generate(Greedy("cached-3", cached_prompt, 8));
+  EXPECT_EQ(again.finish.usage().cached_prompt_tokens(), 39);
+  EXPECT_EQ(again.tokens, first.tokens);
   bool found = false;
   const v1::RouterStatus status = c.Status();
   for (const v1::WorkerInfo& w : status.workers()) {

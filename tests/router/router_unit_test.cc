@@ -455,6 +455,46 @@ TEST_F(PolicyTest, DecodeWorkerWithLeastLoadIsPicked) {
   EXPECT_EQ(d->decode_worker_id, "b");
 }
 
+// Prefix cache (issue 23): the worker holding the longest prefix wins while it has a free slot,
+// and the uncached suffix, not the prompt, chooses chunked vs SLP/DSLP.
+TEST_F(PolicyTest, TheDecodeWorkerHoldingTheLongestPrefixIsPickedWhileItHasRoom) {
+  PolicyInput in = Input(500);
+  in.decode_workers = {Worker("a", WorkerKind::kDecode, "cuda:0", 0),
+                       Worker("b", WorkerKind::kDecode, "cuda:1", 3),
+                       Worker("c", WorkerKind::kDecode, "cuda:2", 2)};
+  for (WorkerView& w : in.decode_workers) w.load.batch_size = 6;
+  in.cached_tokens = {{"b", 400}, {"c", 300}};
+  absl::StatusOr<RouteDecision> d = Decide(in);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->decode_worker_id, "b");
+  // Equal prefixes: the less loaded.
+  in.cached_tokens = {{"b", 300}, {"c", 300}};
+  EXPECT_EQ(Decide(in)->decode_worker_id, "c");
+  // b is full (running + waiting >= batch size): the next longest with room.
+  in.cached_tokens = {{"b", 400}, {"c", 300}};
+  in.decode_workers[1].load.running = 5;
+  in.decode_workers[1].load.waiting = 1;
+  EXPECT_EQ(Decide(in)->decode_worker_id, "c");
+  // No hit with room: the least loaded, as without a cache.
+  in.cached_tokens = {{"b", 400}};
+  EXPECT_EQ(Decide(in)->decode_worker_id, "a");
+}
+
+TEST_F(PolicyTest, TheUncachedSuffixChoosesThePath) {
+  PolicyInput in = Input(5000);
+  in.decode_workers[0].load.batch_size = 6;
+  EXPECT_EQ(Decide(in)->path, Path::kDslp);
+  in.cached_tokens = {{"decode", 4000}};  // 1000 left: chunked on the decode worker
+  absl::StatusOr<RouteDecision> d = Decide(in);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->path, Path::kChunked);
+  EXPECT_EQ(d->decode_worker_id, "decode");
+  in.cached_tokens = {{"decode", 2952}};  // 2048 left: a prefill worker again
+  EXPECT_EQ(Decide(in)->path, Path::kDslp);
+  in.cached_tokens = {{"other", 4000}};  // another worker's cache does not count
+  EXPECT_EQ(Decide(in)->path, Path::kDslp);
+}
+
 // ---------------------------------------------------------------------------------- registry
 
 WorkerIdentity Identity(const std::string& id, WorkerKind kind = WorkerKind::kDecode) {

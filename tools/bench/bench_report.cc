@@ -1,6 +1,7 @@
 #include "tools/bench/bench_report.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -59,7 +60,12 @@ nlohmann::json RequestJson(const RequestResult& r) {
                        {{"queue_s", r.server_queue_s},
                         {"ttft_s", r.server_ttft_s},
                         {"tpot_s", r.server_tpot_s},
-                        {"total_s", r.server_total_s}}}};
+                        {"total_s", r.server_total_s}}},
+                      {"cached_prompt_tokens", r.cached_prompt_tokens}};
+  if (r.conversation >= 0) {
+    j["conversation"] = r.conversation;
+    j["turn"] = r.turn;
+  }
   nlohmann::json gaps = nlohmann::json::array();
   for (double g : InterTokenGaps(r)) gaps.push_back(g);
   j["itl_s"] = std::move(gaps);
@@ -96,6 +102,33 @@ nlohmann::json ScenariosJson(const ScenarioReport& report) {
   return {{"prefill_tokens", report.prefill_tokens},
           {"calibration", std::move(cal)},
           {"results", std::move(list)}};
+}
+
+PrefixCacheSummary SummarizePrefixCache(const std::vector<RequestResult>& requests) {
+  PrefixCacheSummary c;
+  for (const RequestResult& r : requests) {
+    if (r.warmup || !r.ok) continue;
+    c.prompt_tokens += r.prompt_tokens;
+    c.cached_prompt_tokens += r.cached_prompt_tokens;
+    c.requests_with_hits += r.cached_prompt_tokens > 0;
+  }
+  c.hit_rate = c.prompt_tokens > 0 ? static_cast<double>(c.cached_prompt_tokens) /
+                                         static_cast<double>(c.prompt_tokens)
+                                   : std::numeric_limits<double>::quiet_NaN();
+  return c;
+}
+
+nlohmann::json PrefixCacheJson(const PrefixCacheSummary& c) {
+  return {{"prompt_tokens", c.prompt_tokens},
+          {"cached_prompt_tokens", c.cached_prompt_tokens},
+          {"hit_rate", Num(c.hit_rate)},
+          {"requests_with_hits", c.requests_with_hits}};
+}
+
+std::string PrefixCacheText(const PrefixCacheSummary& c) {
+  return absl::StrFormat(
+      "prefix cache: %d of %d prompt tokens reused (hit rate %.1f %%), %d requests with a hit\n",
+      c.cached_prompt_tokens, c.prompt_tokens, 100 * c.hit_rate, c.requests_with_hits);
 }
 
 std::string SummaryText(const Summary& s, const Slo& slo) {

@@ -22,6 +22,17 @@ nlohmann::json ScenariosJson(const ScenarioReport& report);
 
 // Human-readable tables (milliseconds for TTFT/TPOT/ITL).
 std::string SummaryText(const Summary& s, const Slo& slo);
+
+// Prompt tokens the prefix cache supplied over the measured, successful requests.
+struct PrefixCacheSummary {
+  int64_t prompt_tokens = 0;
+  int64_t cached_prompt_tokens = 0;
+  double hit_rate = 0;  // cached / prompt tokens (NaN without requests)
+  int64_t requests_with_hits = 0;
+};
+PrefixCacheSummary SummarizePrefixCache(const std::vector<RequestResult>& requests);
+std::string PrefixCacheText(const PrefixCacheSummary& c);
+nlohmann::json PrefixCacheJson(const PrefixCacheSummary& c);
 std::string ScenariosText(const ScenarioReport& report);
 
 }  // namespace hmoe::bench

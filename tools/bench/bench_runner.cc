@@ -88,6 +88,7 @@ RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
   req.set_max_new_tokens(static_cast<int32_t>(request.max_new_tokens));
   req.set_ignore_eos(true);
   req.set_path_hint(hint);
+  req.set_cache_prompt(true);
   r.token_s.reserve(request.max_new_tokens);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
@@ -99,6 +100,7 @@ RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
   while (reader->Read(&msg)) {
     if (msg.has_token()) {
       r.token_s.push_back(Since(origin, Clock::now()));
+      r.tokens.push_back(msg.token().token_id());
     } else if (msg.has_finished()) {
       finished = msg.finished();
       have_finished = true;
@@ -119,12 +121,85 @@ RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
     r.server_ttft_s = static_cast<double>(t.ttft_us()) * 1e-6;
     r.server_tpot_s = static_cast<double>(t.tpot_us()) * 1e-6;
     r.server_total_s = static_cast<double>(t.total_us()) * 1e-6;
+    r.cached_prompt_tokens = finished.usage().cached_prompt_tokens();
   }
   return r;
 }
 
+namespace {
+
+// Multi-turn load (LoadOptions::turns > 1): conversations in place of requests.
+std::vector<RequestResult> RunConversations(BenchClient& client, const v1::ModelInfo& info,
+                                            const LoadOptions& o) {
+  const int conversations = o.warmup + o.requests;
+  std::mt19937_64 rng(o.seed);
+  // Turn 0 of each conversation, then every later turn's message and output length, all planned
+  // up front from the seed (the answers themselves come from the server).
+  const std::vector<PlannedRequest> first = PlanRequests(
+      conversations, o.prompt, o.output, info.vocab_size(), info.context_length(), rng);
+  std::vector<std::vector<PlannedRequest>> later(conversations);
+  for (int c = 0; c < conversations; ++c) {
+    later[c] = PlanRequests(o.turns - 1, o.prompt, o.output, info.vocab_size(),
+                            info.context_length(), rng);
+  }
+  std::mt19937_64 arrival_rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
+  const std::vector<double> at = ArrivalTimes(o.arrival, o.requests, arrival_rng);
+  std::vector<std::vector<RequestResult>> results(conversations);
+  const Clock::time_point origin = Clock::now();
+  auto converse = [&](int c) {
+    PlannedRequest turn = first[c];
+    for (int t = 0; t < o.turns; ++t) {
+      RequestResult r = client.Run(turn, o.hint, origin);
+      r.conversation = c;
+      r.turn = t;
+      r.warmup = c < o.warmup;
+      const bool ok = r.ok;
+      results[c].push_back(r);
+      if (!ok || t + 1 == o.turns) break;
+      // The history as a chat client resends it: the prompt, the answer, the new message.
+      PlannedRequest next;
+      next.prompt = turn.prompt;
+      next.prompt.insert(next.prompt.end(), r.tokens.begin(), r.tokens.end());
+      const PlannedRequest& message = later[c][t];
+      next.prompt.insert(next.prompt.end(), message.prompt.begin(), message.prompt.end());
+      next.max_new_tokens = message.max_new_tokens;
+      if (static_cast<int64_t>(next.prompt.size()) + next.max_new_tokens > info.context_length()) {
+        break;
+      }
+      turn = std::move(next);
+    }
+  };
+  for (int c = 0; c < o.warmup; ++c) converse(c);
+  const Clock::time_point begin = Clock::now();
+  std::vector<std::thread> threads;
+  if (o.arrival.kind == ArrivalSpec::Kind::kClosed) {
+    std::atomic<int> next{0};
+    for (int k = 0; k < std::max(o.arrival.concurrency, 1); ++k) {
+      threads.emplace_back([&] {
+        for (int i = next++; i < o.requests; i = next++) converse(o.warmup + i);
+      });
+    }
+  } else {
+    for (int i = 0; i < o.requests; ++i) {
+      std::this_thread::sleep_until(begin + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(at[i])));
+      threads.emplace_back(converse, o.warmup + i);
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  std::vector<RequestResult> out;
+  for (auto& turns : results) {
+    for (RequestResult& r : turns) out.push_back(std::move(r));
+  }
+  for (size_t i = 0; i < out.size(); ++i) out[i].index = static_cast<int64_t>(i);
+  return out;
+}
+
+}  // namespace
+
 std::vector<RequestResult> RunLoad(BenchClient& client, const v1::ModelInfo& info,
                                    const LoadOptions& o) {
+  if (o.turns > 1) return RunConversations(client, info, o);
   std::mt19937_64 rng(o.seed);
   const std::vector<PlannedRequest> plan = PlanRequests(
       o.warmup + o.requests, o.prompt, o.output, info.vocab_size(), info.context_length(), rng);

@@ -39,6 +39,14 @@ struct RequestResult : RequestRecord {
   double server_ttft_s = 0;
   double server_tpot_s = 0;
   double server_total_s = 0;
+  // Prompt tokens the decode worker's prefix cache supplied (Usage.cached_prompt_tokens).
+  int64_t cached_prompt_tokens = 0;
+  // Multi-turn runs (LoadOptions::turns > 1): the conversation and the turn (from 0); -1 / 0
+  // otherwise.
+  int64_t conversation = -1;
+  int turn = 0;
+  // The streamed token ids (the next turn's prompt includes them).
+  std::vector<int32_t> tokens;
 };
 
 // A client of one router; thread-safe (one gRPC channel, a call per request).
@@ -66,6 +74,13 @@ struct LoadOptions {
   LengthSpec output;
   uint64_t seed = 0;
   v1::PathHint hint = v1::PATH_HINT_AUTO;
+  // Turns per conversation (>= 1). With more than one, each of the `requests` (and `warmup`)
+  // items is a conversation: turn 0 is a planned request; turn t's prompt is turn t-1's prompt,
+  // its answer and a new message of `prompt` tokens, with `output` new tokens (a chat whose
+  // history is resent every turn, as OpenAI clients do). Turns of a conversation run one after
+  // another; the arrival spec places conversations. A conversation ends early when its next turn
+  // would not fit the context or a turn fails.
+  int turns = 1;
 };
 // Warm-up requests first (marked warmup), then the measured ones.
 std::vector<RequestResult> RunLoad(BenchClient& client, const v1::ModelInfo& info,
