@@ -72,8 +72,9 @@ class ReferenceKvCache {
 // The optimized engine's error model (docs/conformance.md "The error model and the
 // tolerances"): it computes what the reference computes on the same weights, except that the
 // activation entering every FP8/BF16 projection (or, for a GGUF, every block-quantized one) is
-// rounded: componentwise relative error at most `unit_roundoff`. Everything else (norms, RoPE,
-// softmax, the router, kv_b) is F32 and counts as exact at this scale.
+// rounded: componentwise relative error uniform in [-unit_roundoff, unit_roundoff], independent
+// roundings adding in quadrature. Everything else (norms, RoPE, softmax, the router, kv_b) is
+// F32 and counts as exact at this scale.
 struct ErrorModel {
   // BF16 round-to-nearest: 2^-8. A GGUF served with Q8_K activations: kQ8KUnitRoundoff.
   double unit_roundoff = 1.0 / 256.0;
@@ -105,14 +106,14 @@ struct ForwardTrace {
   std::vector<std::vector<float>> hidden;
   // routing[l][t] = the router's choice for token t in layer l; empty for dense layers.
   std::vector<std::vector<MoeGateResult>> routing;
-  // gap_tolerance[l][t] (MoE layers): the bound under error_model on how far the engine's
-  // selection gap (MoeGateResult::SelectionGap) can be from the reference's at that layer:
+  // gap_tolerance[l][t] (MoE layers): the bound (kappa standard deviations of error_model) on
+  // how far the engine's selection-score differences can be from the reference's at that layer:
   // a routing difference there is a near-tie only if routing[l][t].SelectionGap() is below it.
   std::vector<std::vector<double>> gap_tolerance;
-  // residual_error[l][t]: the bound on |engine - reference| / |h| of the residual stream after
-  // layer l (relative, 2-norm).
+  // residual_error[l][t]: the model's RMS size of |engine - reference| / |h| for the residual
+  // stream after layer l (relative, 2-norm).
   std::vector<std::vector<double>> residual_error;
-  // final_input_error[t]: the bound on the 2-norm of the lm_head input's error.
+  // final_input_error[t]: the model's RMS size (2-norm) of the lm_head input's error.
   std::vector<double> final_input_error;
 };
 
