@@ -32,8 +32,6 @@
 namespace hmoe::engine_test {
 
 constexpr double kLogitTolerance = 0.03;
-constexpr double kLogitToleranceAfterFlip = 0.1;
-constexpr double kMarginTolerance = 0.06;
 
 inline double Rms(const std::vector<float>& v) {
   double s = 0.0;

@@ -583,6 +583,55 @@ TEST(MoeGateTest, GroupScoreIsSumOfTopTwoBiasedScores) {
   EXPECT_THAT(r.weights, Pointwise(FloatNear(1e-5f), {0.5f, 0.5f}));
 }
 
+TEST(MoeGateTest, SelectionGapIsTheKthVersusNextScoreAmongKeptGroupsOrHalfTheGroupGap) {
+  // The 8-expert example above: groups 1 (1.22) and 2 (1.14) kept, group 0 (1.00) the best
+  // dropped one: group gap 0.14. Top-2 among the kept experts 0.62, 0.60, 0.58, 0.56: the
+  // K-th (0.60) vs the (K+1)-th (0.58), not expert 0's 0.90 (its group is dropped).
+  const std::vector<double> s = {0.90, 0.10, 0.62, 0.60, 0.58, 0.56, 0.50, 0.40};
+  std::vector<float> logits;
+  for (double v : s) logits.push_back(Logit(v));
+  MoeGateParams p{.num_experts = 8,
+                  .top_k = 2,
+                  .n_group = 4,
+                  .topk_group = 2,
+                  .norm_topk_prob = true,
+                  .routed_scaling_factor = 1.0};
+  MoeGateResult r = MoeGate(logits, {}, p);
+  EXPECT_NEAR(r.kth_score, 0.60f, 1e-6f);
+  EXPECT_NEAR(r.next_score, 0.58f, 1e-6f);
+  EXPECT_NEAR(r.group_gap, 1.14 - 1.00, 1e-6);
+  EXPECT_NEAR(r.SelectionGap(), 0.02, 1e-6);  // min(0.02, 0.14 / 2)
+  // A bias that brings group 0 to 1.13 makes the group gap (0.01) the binding one: 0.005.
+  r = MoeGate(logits, std::vector<float>{0, 0.13f, 0, 0, 0, 0, 0, 0}, p);
+  EXPECT_NEAR(r.group_gap, 0.01, 1e-6);
+  EXPECT_NEAR(r.SelectionGap(), 0.005, 1e-6);
+  EXPECT_THAT(r.experts, ElementsAre(2, 3));
+  // n_group 1: over all experts (0.90, 0.62 | 0.60), no group stage.
+  p.n_group = 1;
+  p.topk_group = 1;
+  r = MoeGate(logits, {}, p);
+  EXPECT_NEAR(r.SelectionGap(), 0.02, 1e-6);
+  EXPECT_TRUE(std::isinf(r.group_gap));
+  // Every expert chosen: nothing to compare with.
+  p.top_k = 8;
+  EXPECT_TRUE(std::isinf(MoeGate(logits, {}, p).SelectionGap()));
+}
+
+TEST(MoeGateTest, CombineWeightsOfAnotherExpertSetFollowTheSameFormula) {
+  MoeGateParams p{.num_experts = 4,
+                  .top_k = 2,
+                  .n_group = 1,
+                  .topk_group = 1,
+                  .norm_topk_prob = true,
+                  .routed_scaling_factor = 2.5};
+  const std::vector<float> logits = {2, 1, 0, -1};
+  const MoeGateResult r = MoeGate(logits, {}, p);
+  EXPECT_EQ(MoeCombineWeights(logits, r.experts, p), r.weights);  // bit for bit
+  const float s1 = Sigmoid(1.0f), s3 = Sigmoid(-1.0f);
+  EXPECT_THAT(MoeCombineWeights(logits, std::vector<int32_t>{3, 1}, p),
+              Pointwise(FloatNear(kTight), {2.5f * s3 / (s1 + s3), 2.5f * s1 / (s1 + s3)}));
+}
+
 TEST(MoeGateTest, WithoutNormalizationWeightsAreScaledSigmoidScores) {
   MoeGateParams p{.num_experts = 4,
                   .top_k = 2,
@@ -791,6 +840,49 @@ TEST_F(ReferenceModelTest, TraceRecordsEveryLayerAndRouting) {
   // The embedding row is the stored one.
   ASSERT_EQ(tensors_[0].name, kEmbedTokensName);
   EXPECT_EQ(trace.hidden[0][0], tensors_[0].values[5 * 32]);
+}
+
+TEST_F(ReferenceModelTest, FollowRoutingTakesTheGivenExpertsAndKeepsItsOwnSelectionGap) {
+  auto model = MakeModel(config_, *source_);
+  ASSERT_TRUE(model);
+  ReferenceKvCache c1 = model->NewCache();
+  ForwardTrace own;
+  absl::StatusOr<std::vector<float>> base = model->Forward(prompt_, c1, &own);
+  ASSERT_TRUE(base.ok());
+  // The error model's outputs: a tolerance per MoE layer and token, errors growing with depth.
+  for (int l = 1; l < 3; ++l) {
+    ASSERT_EQ(own.gap_tolerance[l].size(), prompt_.size());
+    for (size_t t = 0; t < prompt_.size(); ++t) EXPECT_GT(own.gap_tolerance[l][t], 0.0);
+  }
+  EXPECT_GT(own.residual_error[2][0], own.residual_error[0][0]);
+  EXPECT_GT(model->LogitPairTolerance(own, 0, 1, 2), 0.0);
+  EXPECT_EQ(model->LogitPairTolerance(own, 0, 3, 3), 0.0);
+  EXPECT_EQ(model->LogitPairTolerance(own, 0, 1, 2), model->LogitPairTolerance(own, 0, 2, 1));
+  // Following the reference's own choice everywhere changes nothing.
+  ReferenceKvCache c2 = model->NewCache();
+  ForwardTrace same;
+  same.follow_routing = [&](int64_t l, int64_t p) { return &own.routing[l][p].experts; };
+  absl::StatusOr<std::vector<float>> followed = model->Forward(prompt_, c2, &same);
+  ASSERT_TRUE(followed.ok());
+  EXPECT_EQ(*followed, *base);
+  // Other experts at one (layer, position): taken, recorded, with the reference's own gap kept.
+  const std::vector<int32_t> other = {own.routing[1][2].experts[0] == 0 ? 1 : 0,
+                                      own.routing[1][2].experts[0] == 2 ? 3 : 2};
+  ReferenceKvCache c3 = model->NewCache();
+  ForwardTrace forced;
+  forced.follow_routing = [&](int64_t l, int64_t p) -> const std::vector<int32_t>* {
+    return l == 1 && p == 2 ? &other : nullptr;
+  };
+  absl::StatusOr<std::vector<float>> changed = model->Forward(prompt_, c3, &forced);
+  ASSERT_TRUE(changed.ok());
+  EXPECT_TRUE(forced.routing[1][2].followed);
+  EXPECT_EQ(forced.routing[1][2].experts, other);
+  EXPECT_EQ(forced.routing[1][2].SelectionGap(), own.routing[1][2].SelectionGap());
+  EXPECT_FALSE(forced.routing[1][1].followed);
+  EXPECT_NE(*changed, *base);
+  const size_t row = 64;  // position 1's logits are before the change
+  EXPECT_EQ(std::vector<float>(changed->begin(), changed->begin() + 2 * row),
+            std::vector<float>(base->begin(), base->begin() + 2 * row));
 }
 
 TEST_F(ReferenceModelTest, Fp8WeightsMatchDequantizedFloatWeights) {

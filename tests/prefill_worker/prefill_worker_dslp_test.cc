@@ -10,9 +10,11 @@
 // a later layer must be within kKvRelTolerance of the layer's RMS (max |DSLP - SLP| over the row),
 // except at most MaxRoutingFlips(N) tokens: where the merged attention's other F32 summation
 // order moves a router score across a near-tie, that token follows other experts from then on.
-// Separate processes do not report their routing, so this test bounds the number of such tokens;
-// tests/dslp/dslp_test.cc runs the same comparison on rank processes that do, and verifies that
-// every token beyond the tolerance is such a routing flip (docs/dslp.md "Numerics").
+// Separate processes do not report their routing, so this test bounds the number of such tokens
+// and requires each to have a routing near-tie in the FP32 reference before its first layer
+// beyond the tolerance (the score-gap rule, docs/conformance.md); tests/dslp/dslp_test.cc runs
+// the same comparison on rank processes that do report their routing, and verifies that every
+// token beyond the tolerance is such a routing flip (docs/dslp.md "Numerics").
 
 #include <algorithm>
 #include <chrono>
@@ -41,7 +43,9 @@ namespace hmoe::prefill {
 namespace {
 
 using ::hmoe::decode::testing::Agreement;
-using ::hmoe::decode::testing::CheckAgreement;
+using ::hmoe::decode::testing::Evaluate;
+using ::hmoe::decode::testing::ReferenceRun;
+using ::hmoe::decode::testing::RunReference;
 using testing::Generation;
 using testing::HandOffEnv;
 using testing::PrefillClient;
@@ -244,12 +248,29 @@ TEST_P(PrefillWorkerDslpTest, MatchesSingleWorkerSlpAndTheDecodeWorkerContinuesI
   std::vector<int32_t> tokens = {r0.first_token_id()};
   tokens.insert(tokens.end(), g.tokens.begin(), g.tokens.end());
   ASSERT_EQ(tokens.size(), static_cast<size_t>(1 + kDecodeSteps));
-  auto agreement = CheckAgreement(*env.reference, prompt, tokens);
-  ASSERT_TRUE(agreement.ok()) << agreement.status();
-  EXPECT_TRUE(agreement->ok()) << agreement->detail;
+  // One traced reference run serves the agreement rule and the score-gap rule of the KV rows.
+  absl::StatusOr<ReferenceRun> run =
+      RunReference(*env.reference, prompt, tokens, /*with_trace=*/true);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const Agreement agreement = Evaluate(*run, tokens);
+  EXPECT_TRUE(agreement.ok()) << agreement.detail;
+  // The score-gap rule (docs/conformance.md): a token row beyond the tolerance is a routing flip
+  // only if the FP32 reference has a near-tie for that token at a MoE layer before the row's
+  // first layer beyond it (both sides are within the error model of the reference, so their
+  // expert sets can differ only there).
+  for (const dslp_test::KvRowSummary::Beyond& b : kv.beyond) {
+    bool near_tie = false;
+    for (int64_t l = 0; l < b.layer && !near_tie; ++l) {
+      if (run->trace.routing[l].empty()) continue;
+      near_tie =
+          run->trace.routing[l][b.token].SelectionGap() < run->trace.gap_tolerance[l][b.token];
+    }
+    EXPECT_TRUE(near_tie) << "token " << b.token << ": KV " << b.error << " from layer " << b.layer
+                          << " but the reference has no routing near-tie before that layer";
+  }
   std::printf("[ DSLP workers ] %s: %d tokens, %d divergent (worst margin %.3f)%s\n", id.c_str(),
-              agreement->steps, agreement->divergences, agreement->worst_margin,
-              agreement->detail.c_str());
+              agreement.steps, agreement.divergences, agreement.worst_margin,
+              agreement.detail.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, PrefillWorkerDslpTest,

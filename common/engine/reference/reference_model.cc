@@ -54,6 +54,33 @@ absl::Status CheckSupported(const ModelConfig& c) {
   return absl::OkStatus();
 }
 
+// The error model's rounding points per residual branch (docs/conformance.md "The error model
+// and the tolerances"): the longest chain of rounded projection inputs from the branch input to
+// its output. Attention: q_a, q_b, o (kv_a's input is q_a's; kv_b and the absorbed W_UK/W_UV are
+// F32). MLP: gate/up, down.
+constexpr double kAttentionRoundings = 3.0;
+constexpr double kMlpRoundings = 2.0;
+
+double Norm2(std::span<const float> v) {
+  double s = 0.0;
+  for (float x : v) s += static_cast<double>(x) * x;
+  return std::sqrt(s);
+}
+
+double Sq(double x) { return x * x; }
+
+double Rms(std::span<const float> v) {
+  return v.empty() ? 0.0 : Norm2(v) / std::sqrt(static_cast<double>(v.size()));
+}
+
+// First-order size of RMSNorm(h + d) - RMSNorm(h) for an error d of 2-norm `error` in a random
+// direction: the normalization's Jacobian is diag(weight) (I - h h^T / |h|^2) / rms(h), which
+// scales such a d by at most rms(weight) / rms(h).
+double NormOutputError(std::span<const float> h, double rms_weight, double error) {
+  const double rms = Rms(h);
+  return rms > 0.0 ? rms_weight * error / rms : 0.0;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------- KV cache
@@ -62,12 +89,14 @@ ReferenceKvCache::ReferenceKvCache(const ModelConfig& config)
     : kv_lora_rank_(config.kv_lora_rank),
       rope_dim_(config.qk_rope_head_dim),
       latent_(config.num_hidden_layers),
-      k_pe_(config.num_hidden_layers) {}
+      k_pe_(config.num_hidden_layers),
+      attention_input_error_(config.num_hidden_layers, 0.0) {}
 
 void ReferenceKvCache::Clear() {
   num_tokens_ = 0;
   for (auto& v : latent_) v.clear();
   for (auto& v : k_pe_) v.clear();
+  std::fill(attention_input_error_.begin(), attention_input_error_.end(), 0.0);
 }
 
 // ---------------------------------------------------------------------------------- loading
@@ -307,7 +336,9 @@ void ReferenceModel::Attention(int64_t layer_index, std::span<const float> x, in
 }
 
 void ReferenceModel::FeedForward(int64_t layer_index, std::span<const float> x,
-                                 std::span<float> out, MoeGateResult* routing) const {
+                                 std::span<float> out, MoeGateResult* routing,
+                                 const std::vector<int32_t>* follow, const ErrorModel* model,
+                                 double input_error, double* gap_tolerance) const {
   const Layer& layer = layers_[layer_index];
   const int64_t hidden = config_.hidden_size;
   if (!layer.is_moe) {
@@ -317,6 +348,30 @@ void ReferenceModel::FeedForward(int64_t layer_index, std::span<const float> x,
   std::vector<float> router_logits(config_.n_routed_experts);
   Linear(layer.router.data, config_.n_routed_experts, hidden, x, router_logits);
   MoeGateResult gate = MoeGate(router_logits, layer.router_bias.data, gate_params_);
+  if (gap_tolerance != nullptr) {
+    // |d(b_a - b_b)| <= max sigmoid' * |(w_a - w_b) . dx| <= max sigmoid' * kappa * 2 max|w_e|
+    // * |dx| / sqrt(hidden) (docs/conformance.md "Routing flips: the score-gap rule").
+    double w_max = 0.0, slope_max = 0.0;
+    for (int64_t e = 0; e < config_.n_routed_experts; ++e) {
+      w_max = std::max(
+          w_max, Norm2(std::span<const float>(layer.router.data).subspan(e * hidden, hidden)));
+      const double s = 1.0 / (1.0 + std::exp(-static_cast<double>(router_logits[e])));
+      slope_max = std::max(slope_max, s * (1.0 - s));
+    }
+    *gap_tolerance = model->kappa * slope_max * 2.0 * w_max * input_error /
+                     std::sqrt(static_cast<double>(hidden));
+  }
+  if (follow != nullptr) {
+    std::vector<int32_t> want = *follow, have = gate.experts;
+    std::sort(want.begin(), want.end());
+    std::sort(have.begin(), have.end());
+    if (want != have) {
+      HMOE_CHECK(static_cast<int64_t>(follow->size()) == gate_params_.top_k);
+      gate.experts = *follow;
+      gate.weights = MoeCombineWeights(router_logits, gate.experts, gate_params_);
+      gate.followed = true;
+    }
+  }
 
   // Accumulate the weighted expert outputs and the shared expert in double.
   std::vector<double> acc(hidden, 0.0);
@@ -364,9 +419,20 @@ absl::StatusOr<std::vector<float>> ReferenceModel::Forward(std::span<const int32
     std::copy_n(embed_.data.begin() + static_cast<int64_t>(tokens[t]) * hidden, hidden,
                 h.begin() + t * hidden);
   }
+  // The error model (traced runs only): err[t] is the RMS size (2-norm) of the engine's error in
+  // token t's residual stream; docs/conformance.md "The error model and the tolerances".
+  // Per rounding, the relative error is uniform in [-u, u]: variance u^2 / 3 per value.
+  const double u2 = trace != nullptr ? Sq(trace->error_model.unit_roundoff) / 3.0 : 0.0;
+  std::vector<double> err(n, 0.0);
+  auto row = [&](std::vector<float>& v, int64_t t) {
+    return std::span<float>(v).subspan(t * hidden, hidden);
+  };
   if (trace != nullptr) {
     trace->hidden.assign(1, h);
     trace->routing.assign(c.num_hidden_layers, {});
+    trace->gap_tolerance.assign(c.num_hidden_layers, {});
+    trace->residual_error.assign(c.num_hidden_layers, std::vector<double>(n, 0.0));
+    trace->final_input_error.assign(n, 0.0);
   }
 
   std::vector<float> normed(n * hidden), delta(n * hidden);
@@ -374,33 +440,88 @@ absl::StatusOr<std::vector<float>> ReferenceModel::Forward(std::span<const int32
     const Layer& layer = layers_[l];
     // h = h + MLA(RMSNorm_in(h)).
     for (int64_t t = 0; t < n; ++t) {
-      RmsNorm(std::span<const float>(h).subspan(t * hidden, hidden), layer.input_norm.data, eps,
-              std::span<float>(normed).subspan(t * hidden, hidden));
+      RmsNorm(row(h, t), layer.input_norm.data, eps, row(normed, t));
+    }
+    if (trace != nullptr) {
+      // Attention mixes every visible token: take the largest relative input error among them.
+      double& in_err = cache.attention_input_error_[l];
+      const double g = Rms(layer.input_norm.data);
+      for (int64_t t = 0; t < n; ++t) {
+        const double x_norm = Norm2(row(normed, t));
+        if (x_norm > 0.0) in_err = std::max(in_err, NormOutputError(row(h, t), g, err[t]) / x_norm);
+      }
     }
     Attention(l, normed, n, start, cache, delta);
     for (int64_t i = 0; i < n * hidden; ++i) h[i] += delta[i];
+    if (trace != nullptr) {
+      const double rel = std::sqrt(Sq(cache.attention_input_error_[l]) + kAttentionRoundings * u2);
+      for (int64_t t = 0; t < n; ++t) err[t] = std::hypot(err[t], rel * Norm2(row(delta, t)));
+    }
 
     // h = h + FFN(RMSNorm_post(h)).
-    if (trace != nullptr && layer.is_moe) trace->routing[l].resize(n);
+    if (trace != nullptr && layer.is_moe) {
+      trace->routing[l].resize(n);
+      trace->gap_tolerance[l].assign(n, 0.0);
+    }
+    const double g_post = trace != nullptr ? Rms(layer.post_norm.data) : 0.0;
     for (int64_t t = 0; t < n; ++t) {
-      std::span<float> nt = std::span<float>(normed).subspan(t * hidden, hidden);
-      RmsNorm(std::span<const float>(h).subspan(t * hidden, hidden), layer.post_norm.data, eps, nt);
-      MoeGateResult* routing = (trace != nullptr && layer.is_moe) ? &trace->routing[l][t] : nullptr;
-      FeedForward(l, nt, std::span<float>(delta).subspan(t * hidden, hidden), routing);
+      std::span<float> nt = row(normed, t);
+      RmsNorm(row(h, t), layer.post_norm.data, eps, nt);
+      const bool traced_moe = trace != nullptr && layer.is_moe;
+      MoeGateResult* routing = traced_moe ? &trace->routing[l][t] : nullptr;
+      const std::vector<int32_t>* follow =
+          traced_moe && trace->follow_routing ? trace->follow_routing(l, start + t) : nullptr;
+      const double in_err = trace != nullptr ? NormOutputError(row(h, t), g_post, err[t]) : 0.0;
+      FeedForward(l, nt, row(delta, t), routing, follow,
+                  trace != nullptr ? &trace->error_model : nullptr, in_err,
+                  traced_moe ? &trace->gap_tolerance[l][t] : nullptr);
+      if (trace != nullptr) {
+        const double x_norm = Norm2(nt);
+        const double rel = std::sqrt(Sq(x_norm > 0.0 ? in_err / x_norm : 0.0) + kMlpRoundings * u2);
+        err[t] = std::hypot(err[t], rel * Norm2(row(delta, t)));
+      }
     }
     for (int64_t i = 0; i < n * hidden; ++i) h[i] += delta[i];
-    if (trace != nullptr) trace->hidden.push_back(h);
+    if (trace != nullptr) {
+      trace->hidden.push_back(h);
+      for (int64_t t = 0; t < n; ++t) {
+        const double h_norm = Norm2(row(h, t));
+        trace->residual_error[l][t] = h_norm > 0.0 ? err[t] / h_norm : 0.0;
+      }
+    }
   }
   cache.num_tokens_ = start + n;
 
   // logits = lm_head RMSNorm_final(h), for every position.
   std::vector<float> logits(n * c.vocab_size);
+  const double g_final = trace != nullptr ? Rms(final_norm_.data) : 0.0;
   for (int64_t t = 0; t < n; ++t) {
-    std::span<float> nt = std::span<float>(normed).subspan(t * hidden, hidden);
-    RmsNorm(std::span<const float>(h).subspan(t * hidden, hidden), final_norm_.data, eps, nt);
+    std::span<float> nt = row(normed, t);
+    RmsNorm(row(h, t), final_norm_.data, eps, nt);
     Apply(lm_head_, nt, std::span<float>(logits).subspan(t * c.vocab_size, c.vocab_size));
+    if (trace != nullptr) {
+      // The lm_head's own input rounding adds u |x|.
+      trace->final_input_error[t] =
+          std::hypot(NormOutputError(row(h, t), g_final, err[t]), std::sqrt(u2) * Norm2(nt));
+    }
   }
   return logits;
+}
+
+double ReferenceModel::LogitPairTolerance(const ForwardTrace& trace, int64_t t, int32_t a,
+                                          int32_t b) const {
+  const int64_t hidden = config_.hidden_size;
+  HMOE_CHECK(t >= 0 && t < static_cast<int64_t>(trace.final_input_error.size()));
+  HMOE_CHECK(a >= 0 && a < config_.vocab_size && b >= 0 && b < config_.vocab_size);
+  const float* wa = lm_head_.data.data() + static_cast<int64_t>(a) * hidden;
+  const float* wb = lm_head_.data.data() + static_cast<int64_t>(b) * hidden;
+  double d2 = 0.0;
+  for (int64_t i = 0; i < hidden; ++i) {
+    const double d = static_cast<double>(wa[i]) - wb[i];
+    d2 += d * d;
+  }
+  return trace.error_model.kappa * std::sqrt(d2) * trace.final_input_error[t] /
+         std::sqrt(static_cast<double>(hidden));
 }
 
 // ---------------------------------------------------------------------------------- generation

@@ -7,6 +7,7 @@
 // obvious correctness over speed (see reference_ops.h).
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <set>
 #include <span>
@@ -63,14 +64,57 @@ class ReferenceKvCache {
   int64_t num_tokens_ = 0;
   std::vector<std::vector<float>> latent_;  // per layer
   std::vector<std::vector<float>> k_pe_;    // per layer
+  // Per layer: the largest relative error bound of the attention input over the cached tokens
+  // (the error model of ForwardTrace; a traced Forward reads and updates it).
+  std::vector<double> attention_input_error_;
+};
+
+// The optimized engine's error model (docs/conformance.md "The error model and the
+// tolerances"): it computes what the reference computes on the same weights, except that the
+// activation entering every FP8/BF16 projection (or, for a GGUF, every block-quantized one) is
+// rounded: componentwise relative error uniform in [-unit_roundoff, unit_roundoff], independent
+// roundings adding in quadrature. Everything else (norms, RoPE, softmax, the router, kv_b) is
+// F32 and counts as exact at this scale.
+struct ErrorModel {
+  // BF16 round-to-nearest: 2^-8. A GGUF served with Q8_K activations: kQ8KUnitRoundoff.
+  double unit_roundoff = 1.0 / 256.0;
+  // A rounding error's projection onto a fixed direction w is bounded by kappa standard
+  // deviations of a random-direction projection: |w . e| <= kappa |w| |e| / sqrt(dim).
+  double kappa = 6.0;
+
+  // Q8_K (docs/gguf.md "Numerics of a served GGUF"): both sides round to Q8_K, so they differ
+  // where an F32 summation-order difference moves a value across a quantum boundary; through the
+  // layers that difference grows to the size of the rounding itself, half a quantum amax/254 per
+  // value, i.e. relative to the values' RMS amax/(254 RMS) <= 4/254 (amax <= 4 RMS, the Gaussian-
+  // like activations' largest of 256).
+  static constexpr double kQ8KUnitRoundoff = 4.0 / 254.0;
 };
 
 // Optional per-layer intermediates of one Forward() call, for tests and activation statistics.
 struct ForwardTrace {
+  // Input: the error model of gap_tolerance / final_input_error.
+  ErrorModel error_model;
+  // Input: when set, the MoE layers take follow_routing(layer, position)'s experts (when it
+  // returns non-null and they differ from the reference's own choice) with the reference's
+  // combine weights for them (MoeCombineWeights); routing[l][t].followed records it, and the
+  // selection fields there still describe the reference's own choice. For tests that hold the
+  // engine's routing: the reference then follows the engine through its near-ties, so the two
+  // stay comparable under the error model (docs/conformance.md).
+  std::function<const std::vector<int32_t>*(int64_t layer, int64_t position)> follow_routing;
+
   // hidden[0] = embeddings, hidden[l + 1] = residual stream after layer l; each [n, hidden_size].
   std::vector<std::vector<float>> hidden;
   // routing[l][t] = the router's choice for token t in layer l; empty for dense layers.
   std::vector<std::vector<MoeGateResult>> routing;
+  // gap_tolerance[l][t] (MoE layers): the bound (kappa standard deviations of error_model) on
+  // how far the engine's selection-score differences can be from the reference's at that layer:
+  // a routing difference there is a near-tie only if routing[l][t].SelectionGap() is below it.
+  std::vector<std::vector<double>> gap_tolerance;
+  // residual_error[l][t]: the model's RMS size of |engine - reference| / |h| for the residual
+  // stream after layer l (relative, 2-norm).
+  std::vector<std::vector<double>> residual_error;
+  // final_input_error[t]: the model's RMS size (2-norm) of the lm_head input's error.
+  std::vector<double> final_input_error;
 };
 
 class ReferenceModel {
@@ -100,6 +144,12 @@ class ReferenceModel {
   absl::StatusOr<std::vector<float>> Forward(std::span<const int32_t> tokens,
                                              ReferenceKvCache& cache,
                                              ForwardTrace* trace = nullptr) const;
+
+  // The bound under trace.error_model on how far the engine's logit[a] - logit[b] of token t
+  // (of the traced Forward) can be from the reference's: kappa |W_a - W_b| e / sqrt(hidden) with
+  // W the lm_head rows and e = trace.final_input_error[t]. A token may differ from the
+  // reference's arg-max a only where the reference's logit[a] - logit[b] is below it.
+  double LogitPairTolerance(const ForwardTrace& trace, int64_t t, int32_t a, int32_t b) const;
 
  private:
   struct Matrix {
@@ -145,8 +195,13 @@ class ReferenceModel {
   void Attention(int64_t layer, std::span<const float> x, int64_t n, int64_t start_pos,
                  ReferenceKvCache& cache, std::span<float> out) const;
   // Dense MLP or MoE for one token; `routing` receives the router's choice for MoE layers.
+  // `follow`: experts to take instead of the router's choice (ForwardTrace::follow_routing), or
+  // null. `gap_tolerance` (with a trace, MoE layers): receives the selection-gap bound for an
+  // input error of 2-norm `input_error` under `model`.
   void FeedForward(int64_t layer, std::span<const float> x, std::span<float> out,
-                   MoeGateResult* routing) const;
+                   MoeGateResult* routing, const std::vector<int32_t>* follow = nullptr,
+                   const ErrorModel* model = nullptr, double input_error = 0.0,
+                   double* gap_tolerance = nullptr) const;
 
   ModelConfig config_;
   Options options_;

@@ -265,15 +265,39 @@ MoeGateResult MoeGate(std::span<const float> router_logits, std::span<const floa
 
   MoeGateResult result;
   result.experts.assign(order.begin(), order.begin() + p.top_k);
+  result.weights = MoeCombineWeights(router_logits, result.experts, p);
+  result.kth_score = selectable[order[p.top_k - 1]];
+  result.next_score =
+      p.top_k < num_experts ? selectable[order[p.top_k]] : -std::numeric_limits<float>::infinity();
+  result.group_gap = p.topk_group < p.n_group ? group_score[group_order[p.topk_group - 1]] -
+                                                    group_score[group_order[p.topk_group]]
+                                              : std::numeric_limits<double>::infinity();
+  return result;
+}
+
+double MoeGateResult::SelectionGap() const {
+  const double expert_gap = static_cast<double>(kth_score) - static_cast<double>(next_score);
+  return std::min(expert_gap, group_gap / 2.0);
+}
+
+std::vector<float> MoeCombineWeights(std::span<const float> router_logits,
+                                     std::span<const int32_t> experts, const MoeGateParams& p) {
+  std::vector<double> scores;
   double sum = 0.0;
-  for (int32_t e : result.experts) sum += scores[e];
-  for (int32_t e : result.experts) {
-    double w = scores[e];
+  for (int32_t e : experts) {
+    HMOE_CHECK(e >= 0 && e < p.num_experts);
+    scores.push_back(1.0 / (1.0 + std::exp(-static_cast<double>(router_logits[e]))));
+    // MoeGate's scores are floats: round the same way so both give identical weights.
+    scores.back() = static_cast<float>(scores.back());
+    sum += scores.back();
+  }
+  std::vector<float> weights;
+  for (double w : scores) {
     // Hugging Face adds 1e-20 to the denominator; it only matters when all scores underflow.
     if (p.norm_topk_prob) w /= (sum + 1e-20);
-    result.weights.push_back(static_cast<float>(w * p.routed_scaling_factor));
+    weights.push_back(static_cast<float>(w * p.routed_scaling_factor));
   }
-  return result;
+  return weights;
 }
 
 // ---------------------------------------------------------------------------------- MLA attention

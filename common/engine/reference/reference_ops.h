@@ -96,6 +96,23 @@ struct MoeGateResult {
   // Their combine weights: unbiased sigmoid scores, normalized (if norm_topk_prob), times
   // routed_scaling_factor. Same order as `experts`.
   std::vector<float> weights;
+
+  // How close the selection was (docs/conformance.md "Routing flips: the score-gap rule"). With
+  // b = sigmoid(logit) + bias (the selection score) over the experts of the kept groups (all
+  // experts when n_group == 1): kth_score = the K-th largest b, next_score = the (K+1)-th
+  // (-inf when the kept groups hold only K experts). group_gap = group score of the
+  // topk_group-th kept group minus that of the best dropped group (+inf when every group is
+  // kept), group score = sum of the group's two largest b.
+  float kth_score = 0.0f;
+  float next_score = 0.0f;
+  double group_gap = 0.0;
+  // The selection gap: min(kth_score - next_score, group_gap / 2). A group score is a sum of
+  // two selection scores, so a perturbation of at most d per score moves a group gap by at most
+  // 4d and an expert gap by at most 2d: the selection can change only if gap < 2d.
+  double SelectionGap() const;
+  // True when `experts` were imposed (ReferenceModel's ForwardTrace::follow_routing) rather
+  // than chosen; the fields above still describe the reference's own choice.
+  bool followed = false;
 };
 
 // noaux_tc routing (MODEL-SPEC §3.9) from the router logits (W_router x, E values) and the
@@ -106,6 +123,11 @@ struct MoeGateResult {
 // remaining b are chosen. Requires topk_group * E / n_group >= K.
 MoeGateResult MoeGate(std::span<const float> router_logits, std::span<const float> bias,
                       const MoeGateParams& params);
+
+// The combine weights MoeGate gives `experts` (any K experts, e.g. another path's choice):
+// sigmoid(logit) of each, normalized over them if norm_topk_prob, times routed_scaling_factor.
+std::vector<float> MoeCombineWeights(std::span<const float> router_logits,
+                                     std::span<const int32_t> experts, const MoeGateParams& params);
 
 // ---------------------------------------------------------------------------------- MLA attention
 
