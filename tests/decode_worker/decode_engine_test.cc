@@ -340,6 +340,17 @@ class PrefixCacheEngineTest : public DecodeEngineTest {
  protected:
   static constexpr int kNew = 8;
 
+  // A scheduler of six 64-token chunks over `engine` (which must outlive it).
+  static std::unique_ptr<Scheduler> Start(StepEngine& engine, bool dual_batch = false) {
+    SchedulerOptions so;
+    so.batch_size = 6;
+    so.chunk_size = 64;
+    so.dual_batch = dual_batch;
+    auto s = Scheduler::Create(engine, so);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *std::move(s) : nullptr;
+  }
+
   // The tokens of `prompt` run alone without a prefix cache (memoized).
   std::vector<int32_t> Expected(const std::vector<int32_t>& prompt) {
     for (const auto& [p, tokens] : expected_) {
@@ -347,12 +358,8 @@ class PrefixCacheEngineTest : public DecodeEngineTest {
     }
     if (off_ == nullptr) {
       off_engine_ = MakeEngine(6, 64, 512, 0);
-      SchedulerOptions so;
-      so.batch_size = 6;
-      so.chunk_size = 64;
-      auto s = Scheduler::Create(*off_engine_, so);
-      EXPECT_TRUE(s.ok()) << s.status();
-      off_ = *std::move(s);
+      off_ = Start(*off_engine_);
+      if (off_ == nullptr) return {};
     }
     auto ch = off_->Submit(Greedy(absl::StrCat("off", expected_.size()), prompt, kNew));
     EXPECT_TRUE(ch.ok()) << ch.status();
@@ -400,17 +407,14 @@ std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& 
 TEST_F(PrefixCacheEngineTest, ASharedThousandTokenPrefixGivesTheTokensOfAFullPrefill) {
   std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
   ASSERT_NE(engine, nullptr);
-  SchedulerOptions so;
-  so.batch_size = 6;
-  so.chunk_size = 64;
-  auto scheduler = Scheduler::Create(*engine, so);
-  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  std::unique_ptr<Scheduler> scheduler = Start(*engine);
+  ASSERT_NE(scheduler, nullptr);
   const std::vector<int32_t> prefix = Prompt(1000, 11);
   const std::vector<int32_t> a = Concat(prefix, Prompt(4, 1));
   const std::vector<int32_t> b = Concat(prefix, Prompt(7, 2));
   auto run = [&](const std::string& id, const std::vector<int32_t>& prompt) {
     PoisonFreeBlocks(*engine);
-    auto ch = (*scheduler)->Submit(Greedy(id, prompt, kNew));
+    auto ch = scheduler->Submit(Greedy(id, prompt, kNew));
     EXPECT_TRUE(ch.ok()) << ch.status();
     return ch.ok() ? Collect(**ch) : Result{};
   };
@@ -428,11 +432,11 @@ TEST_F(PrefixCacheEngineTest, ASharedThousandTokenPrefixGivesTheTokensOfAFullPre
   Result rt = run("turn", turn);
   EXPECT_EQ(rt.finish.cached_tokens, static_cast<int32_t>(a.size() + ra.tokens.size()) - 1);
   EXPECT_EQ(rt.tokens, Expected(turn));
-  const SchedulerStats st = (*scheduler)->stats();
+  const SchedulerStats st = scheduler->stats();
   EXPECT_EQ(st.prefix_cache.lookups, 4);
   EXPECT_EQ(st.prefix_cache.hits, 3);
   EXPECT_EQ(st.prefix_cache.evicted_blocks, 0);
-  (*scheduler)->Shutdown();
+  scheduler->Shutdown();
   // Every block is free or held by the cache alone.
   EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
 }
@@ -447,15 +451,11 @@ TEST_F(PrefixCacheEngineTest, MixedHitsAndMissesInABatchOfSixAndATinyBudgetStayE
     std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, budget);
     ASSERT_NE(engine, nullptr);
     GatedStepEngine gated(*engine);
-    SchedulerOptions so;
-    so.batch_size = 6;
-    so.chunk_size = 64;
-    so.dual_batch = true;
-    auto scheduler = Scheduler::Create(gated, so);
-    ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+    std::unique_ptr<Scheduler> scheduler = Start(gated, /*dual_batch=*/true);
+    ASSERT_NE(scheduler, nullptr);
     // Warm the cache with the prefix and one continuation.
     const std::vector<int32_t> warm = Concat(prefix, Prompt(5, 30));
-    auto w = (*scheduler)->Submit(Greedy("warm", warm, kNew));
+    auto w = scheduler->Submit(Greedy("warm", warm, kNew));
     ASSERT_TRUE(w.ok()) << w.status();
     EXPECT_EQ(Collect(**w).tokens, Expected(warm));
     const std::vector<std::vector<int32_t>> prompts = {
@@ -470,7 +470,7 @@ TEST_F(PrefixCacheEngineTest, MixedHitsAndMissesInABatchOfSixAndATinyBudgetStayE
     PoisonFreeBlocks(*engine);
     gated.Close();
     for (size_t i = 0; i < prompts.size(); ++i) {
-      auto ch = (*scheduler)->Submit(Greedy(absl::StrCat("r", i), prompts[i], kNew));
+      auto ch = scheduler->Submit(Greedy(absl::StrCat("r", i), prompts[i], kNew));
       EXPECT_TRUE(ch.ok()) << ch.status();
       if (ch.ok()) channels.push_back(*ch);
     }
@@ -485,14 +485,14 @@ TEST_F(PrefixCacheEngineTest, MixedHitsAndMissesInABatchOfSixAndATinyBudgetStayE
         EXPECT_EQ(r.finish.cached_tokens, want[i]) << "request " << i;
       }
     }
-    const SchedulerStats st = (*scheduler)->stats();
+    const SchedulerStats st = scheduler->stats();
     EXPECT_GE(st.max_running_seen, 6);
     EXPECT_GT(st.dual_steps, 0);
     if (budget == 3) {
       EXPECT_GT(st.prefix_cache.evicted_blocks, 0);
       EXPECT_LE(st.prefix_cache.cached_blocks, 3);
     }
-    (*scheduler)->Shutdown();
+    scheduler->Shutdown();
     EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
   }
 }
@@ -503,15 +503,11 @@ TEST_F(PrefixCacheEngineTest, MixedHitsAndMissesInABatchOfSixAndATinyBudgetStayE
 TEST_F(PrefixCacheEngineTest, ConcurrentRequestsShareAndExtendARunningPrefix) {
   std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
   ASSERT_NE(engine, nullptr);
-  SchedulerOptions so;
-  so.batch_size = 6;
-  so.chunk_size = 64;
-  so.dual_batch = true;
-  auto scheduler = Scheduler::Create(*engine, so);
-  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  std::unique_ptr<Scheduler> scheduler = Start(*engine, /*dual_batch=*/true);
+  ASSERT_NE(scheduler, nullptr);
   const std::vector<int32_t> base = Prompt(150, 41);  // 9 full blocks of 16 + 6 tokens
   GenerationRequest first = Greedy("base", base, 40);
-  auto ch0 = (*scheduler)->Submit(std::move(first));
+  auto ch0 = scheduler->Submit(std::move(first));
   ASSERT_TRUE(ch0.ok()) << ch0.status();
   // Wait for its first token: its prompt is prefilled and offered, and it keeps decoding.
   std::optional<RequestEvent> e = (*ch0)->Pop(absl::Now() + absl::Seconds(120));
@@ -522,7 +518,7 @@ TEST_F(PrefixCacheEngineTest, ConcurrentRequestsShareAndExtendARunningPrefix) {
   for (int i = 0; i < 4; ++i) {
     p = Concat(p, Prompt(5 + i, 50 + i));  // each extends the one before
     prompts.push_back(p);
-    auto ch = (*scheduler)->Submit(Greedy(absl::StrCat("ext", i), p, kNew));
+    auto ch = scheduler->Submit(Greedy(absl::StrCat("ext", i), p, kNew));
     ASSERT_TRUE(ch.ok()) << ch.status();
     channels.push_back(*ch);
   }
@@ -534,7 +530,7 @@ TEST_F(PrefixCacheEngineTest, ConcurrentRequestsShareAndExtendARunningPrefix) {
   }
   Result r0 = Collect(**ch0);
   ASSERT_EQ(r0.finish.reason, FinishReason::kLength) << r0.finish.error;
-  (*scheduler)->Shutdown();
+  scheduler->Shutdown();
   EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
 }
 
@@ -544,18 +540,15 @@ TEST_F(PrefixCacheEngineTest, ARequestCanOptOutAndCachedBlocksGiveWay) {
   // 32 blocks of 16 tokens: three cached 150-token requests hold 30 of them.
   std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 32, 32);
   ASSERT_NE(engine, nullptr);
-  SchedulerOptions so;
-  so.batch_size = 6;
-  so.chunk_size = 64;
-  auto scheduler = Scheduler::Create(*engine, so);
-  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  std::unique_ptr<Scheduler> scheduler = Start(*engine);
+  ASSERT_NE(scheduler, nullptr);
   auto run = [&](GenerationRequest r) {
-    auto ch = (*scheduler)->Submit(std::move(r));
+    auto ch = scheduler->Submit(std::move(r));
     EXPECT_TRUE(ch.ok()) << ch.status();
     return ch.ok() ? Collect(**ch) : Result{};
   };
   for (int i = 0; i < 3; ++i) run(Greedy(absl::StrCat("fill", i), Prompt(150, 70 + i), kNew));
-  EXPECT_GE((*scheduler)->stats().prefix_cache.cached_blocks, 27);
+  EXPECT_GE(scheduler->stats().prefix_cache.cached_blocks, 27);
   const std::vector<int32_t> prompt = Prompt(300, 61);  // 20 blocks with its 8 new tokens
   for (int i = 0; i < 2; ++i) {
     GenerationRequest r = Greedy(absl::StrCat("off", i), prompt, kNew);
@@ -565,7 +558,7 @@ TEST_F(PrefixCacheEngineTest, ARequestCanOptOutAndCachedBlocksGiveWay) {
     EXPECT_EQ(res.finish.cached_tokens, 0);
     EXPECT_EQ(res.tokens, Expected(prompt));
   }
-  const SchedulerStats st = (*scheduler)->stats();
+  const SchedulerStats st = scheduler->stats();
   EXPECT_EQ(st.prefix_cache.lookups, 3);
   EXPECT_GT(st.prefix_cache.evicted_blocks, 0);
   // Nothing of the opted-out prompt was kept.
