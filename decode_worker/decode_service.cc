@@ -1,5 +1,6 @@
 #include "decode_worker/decode_service.h"
 
+#include <optional>
 #include <utility>
 #include <variant>
 
@@ -200,6 +201,88 @@ grpc::Status DecodeServiceImpl::MatchPrefix(grpc::ServerContext* /*context*/,
                                         static_cast<size_t>(request->prompt_token_ids_size()));
   response->set_cached_tokens(engine_->CachedPrefixTokens(prompt));
   return grpc::Status::OK;
+}
+
+namespace {
+
+// ExportPrefixRequest.export_id: [A-Za-z0-9_.:-]{1,128}.
+bool ValidExportId(const std::string& id) {
+  if (id.empty() || id.size() > 128) return false;
+  for (const char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '-' || c == '.' || c == ':';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+grpc::Status DecodeServiceImpl::ExportPrefix(grpc::ServerContext* /*context*/,
+                                             const v1::ExportPrefixRequest* request,
+                                             v1::ExportPrefixResponse* response) {
+  if (info_.prefix_exports == nullptr) {
+    return ToGrpcStatus(
+        absl::FailedPreconditionError("this decode worker exports no prefixes (no prefix cache)"));
+  }
+  const std::string& id = request->export_id();
+  if (!ValidExportId(id)) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        "export_id: must be 1 to 128 characters of [A-Za-z0-9_.:-]"));
+  }
+  const int64_t prompt_tokens = request->prompt_token_ids_size();
+  if (request->max_tokens() < 1 || request->max_tokens() >= prompt_tokens) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("max_tokens: ", request->max_tokens(), ", expected 1 to prompt length - 1 (",
+                     prompt_tokens - 1, ")")));
+  }
+  if (info_.prefix_exports->Contains(id)) {
+    return ToGrpcStatus(
+        absl::AlreadyExistsError(absl::StrCat("export ", id, " is outstanding")));
+  }
+  const std::span<const int32_t> prompt(request->prompt_token_ids().data(),
+                                        static_cast<size_t>(prompt_tokens));
+  const std::string name = absl::StrCat(info_.prefix_export_prefix, next_prefix_export_++);
+  std::unique_ptr<KvExport> exported;
+  std::optional<KvHandoffSegment> segment;
+  absl::StatusOr<int64_t> n = engine_->ExportPrefix(
+      prompt, request->max_tokens(), [&](int64_t tokens) -> absl::StatusOr<void*> {
+        HMOE_ASSIGN_OR_RETURN(segment,
+                              KvHandoffSegment::Create(name, engine_->kv_handoff_shape(), tokens));
+        KvHandleSpec spec;
+        spec.kind = KvHandleSpec::Kind::kShm;
+        spec.shm_name = name;
+        spec.num_tokens = tokens;
+        spec.layout_version = kKvHandoffLayoutVersion;
+        // Owns the name from here on (a failed copy unlinks it); the mapping goes below, so the
+        // memory is freed once the prefill worker has read and unlinked it.
+        exported = NewShmNameExport(
+            std::move(spec), segment->header().header_bytes + segment->header().payload_bytes);
+        return static_cast<void*>(segment->payload().data());
+      });
+  segment.reset();
+  if (!n.ok()) return ToGrpcStatus(n.status());
+  if (*n == 0 || exported == nullptr) return grpc::Status::OK;
+  v1::KvHandle* h = response->mutable_kv_handle();
+  h->set_shm_name(exported->handle().shm_name);
+  h->set_num_tokens(exported->handle().num_tokens);
+  h->set_layout_version(exported->handle().layout_version);
+  const std::string description = exported->description();
+  if (absl::Status added = info_.prefix_exports->Add(id, std::move(exported)); !added.ok()) {
+    return ToGrpcStatus(added);
+  }
+  HMOE_VLOG(1) << "export=" << id << " prefix of " << *n << " tokens to " << description;
+  return grpc::Status::OK;
+}
+
+grpc::Status DecodeServiceImpl::ReleasePrefixExport(
+    grpc::ServerContext* /*context*/, const v1::ReleasePrefixExportRequest* request,
+    v1::ReleasePrefixExportResponse* /*response*/) {
+  if (info_.prefix_exports == nullptr) {
+    return ToGrpcStatus(absl::NotFoundError(
+        absl::StrCat("export ", request->export_id(), ": this worker exports no prefixes")));
+  }
+  return ToGrpcStatus(info_.prefix_exports->Release(request->export_id()));
 }
 
 rpc::WorkerLoadReport SchedulerLoadReport(const Scheduler& scheduler) {

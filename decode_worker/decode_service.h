@@ -4,6 +4,8 @@
 // protos and the Scheduler: Admit converts the request (opening a KV hand-off when given), submits
 // it and streams the scheduler's events; a broken stream cancels the request. Thread-safe.
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -11,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include <grpcpp/grpcpp.h>
 
+#include "common/kv_handoff/export_table.h"
 #include "common/kv_handoff/kv_handoff.h"
 #include "common/rpc/registry_client.h"
 #include "decode_worker/request.h"
@@ -32,6 +35,10 @@ v1::AdmitResponse EventToProto(const RequestEvent& event);
 struct DecodeServiceInfo {
   std::string worker_id;
   std::string device;
+  // ExportPrefix: shared-memory names are this prefix plus a counter (KvExportNamePrefix("kvp",
+  // worker_id)); the table owns the exports (nullptr: ExportPrefix is FAILED_PRECONDITION).
+  std::string prefix_export_prefix;
+  ExportTable* prefix_exports = nullptr;
 };
 
 class DecodeServiceImpl final : public v1::DecodeService::Service {
@@ -49,12 +56,18 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
                          v1::WorkerStatus* response) override;
   grpc::Status MatchPrefix(grpc::ServerContext* context, const v1::MatchPrefixRequest* request,
                            v1::MatchPrefixResponse* response) override;
+  grpc::Status ExportPrefix(grpc::ServerContext* context, const v1::ExportPrefixRequest* request,
+                            v1::ExportPrefixResponse* response) override;
+  grpc::Status ReleasePrefixExport(grpc::ServerContext* context,
+                                   const v1::ReleasePrefixExportRequest* request,
+                                   v1::ReleasePrefixExportResponse* response) override;
 
  private:
   Scheduler* scheduler_;
   const StepEngine* engine_;
   KvImporter* importer_;
   DecodeServiceInfo info_;
+  std::atomic<int64_t> next_prefix_export_{0};
 };
 
 // The load the worker's heartbeats report to the router.

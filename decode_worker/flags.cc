@@ -26,6 +26,9 @@ ABSL_FLAG(int64_t, prefix_cache_mb, -1,
           "prefix cache: MiB of the KV pool that finished requests' KV may keep for reuse by "
           "later prompts with the same prefix (-1: the whole pool; 0: off). Cached blocks give "
           "way to new requests whenever the pool runs short");
+ABSL_FLAG(double, prefix_export_timeout_seconds, 60,
+          "a prefix exported to a prefill worker (ExportPrefix) that nobody releases within this "
+          "many seconds is freed");
 
 namespace hmoe::decode {
 
@@ -57,6 +60,10 @@ absl::Status ReadFlags(WorkerFlags& f) {
   f.kv_blocks = absl::GetFlag(FLAGS_kv_blocks);
   f.prefix_cache_mb = absl::GetFlag(FLAGS_prefix_cache_mb);
   if (f.kv_blocks == 0 && f.kv_memory_mb == 0) f.kv_memory_mb = 1024;
+  f.prefix_export_timeout_seconds = absl::GetFlag(FLAGS_prefix_export_timeout_seconds);
+  if (!(f.prefix_export_timeout_seconds > 0)) {
+    return FlagError("--prefix-export-timeout-seconds must be > 0");
+  }
   return worker::PrepareSocket(f.common);
 }
 

@@ -19,6 +19,7 @@ struct WorkerFlags {
   int64_t kv_blocks = 0;
   int64_t kv_memory_mb = 0;
   int64_t prefix_cache_mb = -1;
+  double prefix_export_timeout_seconds = 60;
   SchedulerOptions scheduler;
 };
 

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 
 #include "common/base/status_macros.h"
@@ -184,6 +185,22 @@ void ForwardPassStepEngine::OfferPrefix(const StepSequence& sequence,
 int64_t ForwardPassStepEngine::CachedPrefixTokens(std::span<const int32_t> prompt) const {
   if (prefix_ == nullptr || prompt.size() < 2) return 0;
   return prefix_->Match(prompt, static_cast<int64_t>(prompt.size()) - 1);
+}
+
+absl::StatusOr<int64_t> ForwardPassStepEngine::ExportPrefix(std::span<const int32_t> prompt,
+                                                            int64_t max_tokens,
+                                                            const PrefixDestination& destination) const {
+  if (prefix_ == nullptr || max_tokens < 1) return 0;
+  auto [blocks, n] = prefix_->Pin(prompt, max_tokens);
+  if (n == 0) return 0;
+  absl::Cleanup unpin = [&, &blocks = blocks] { kv_->Release(blocks); };
+  HMOE_ASSIGN_OR_RETURN(void* dst, destination(n));
+  // A stream of this call's own: the engine thread's streams are busy with steps (a device may be
+  // driven from several threads, one stream each).
+  HMOE_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, kv_->device().CreateStream());
+  HMOE_RETURN_IF_ERROR(kv_->ExportBlocks(blocks, n, *stream, dst, MemorySpace::kHost));
+  HMOE_RETURN_IF_ERROR(stream->Synchronize());
+  return n;
 }
 
 PrefixCacheStats ForwardPassStepEngine::prefix_cache_stats() const {

@@ -71,6 +71,8 @@ class ForwardPassStepEngine final : public StepEngine {
   void OfferPrefix(const StepSequence& sequence, std::span<const int32_t> tokens,
                    bool finished) override;
   int64_t CachedPrefixTokens(std::span<const int32_t> prompt) const override;
+  absl::StatusOr<int64_t> ExportPrefix(std::span<const int32_t> prompt, int64_t max_tokens,
+                                       const PrefixDestination& destination) const override;
   PrefixCacheStats prefix_cache_stats() const override;
   absl::StatusOr<std::unique_ptr<StepBatch>> NewStepBatch() override;
   std::string device_name() const override { return device_->name(); }

@@ -23,6 +23,7 @@
 #include "common/device/cpu_device.h"
 #include "common/device/device.h"
 #include "common/device/device_flag.h"
+#include "common/kv_handoff/export_table.h"
 #include "common/kv_handoff/kv_handoff.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
 #include "common/process/daemon.h"
@@ -82,10 +83,25 @@ absl::Status Run(process::StopSignalWatcher& signals) {
     return absl::OkStatus();
   }
 
+  // Prefixes exported to prefill workers (ExportPrefix); a previous incarnation's are stale.
+  const std::string prefix_export_prefix =
+      KvExportNamePrefix("kvp", flags.common.server.worker_id);
+  if (absl::StatusOr<int> stale = RemoveStaleShmExports(prefix_export_prefix); !stale.ok()) {
+    HMOE_LOG(WARNING) << "removing stale prefix exports: " << stale.status();
+  } else if (*stale > 0) {
+    HMOE_LOG(INFO) << "removed " << *stale << " stale prefix export(s) of a previous run";
+  }
+  std::unique_ptr<ExportTable> prefix_exports;
+  if (*prefix_blocks > 0) {
+    prefix_exports = std::make_unique<ExportTable>(
+        absl::Seconds(flags.prefix_export_timeout_seconds));
+  }
+
   // --- serve, register
-  DecodeServiceImpl service(
-      scheduler->get(), engine->get(), importer.get(),
-      DecodeServiceInfo{flags.common.server.worker_id, (*engine)->device_name()});
+  DecodeServiceImpl service(scheduler->get(), engine->get(), importer.get(),
+                            DecodeServiceInfo{flags.common.server.worker_id,
+                                              (*engine)->device_name(), prefix_export_prefix,
+                                              prefix_exports.get()});
   Scheduler* sched = scheduler->get();
   flags.common.server.device = (*engine)->device_name();
   flags.common.server.model = weights->description;

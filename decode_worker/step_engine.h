@@ -7,6 +7,7 @@
 // the scheduler's unit tests implement it with a deterministic fake.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -107,6 +108,21 @@ class StepEngine {
   // Leading tokens of `prompt` NewSequenceFromPrefix would reuse now. Thread-safe.
   virtual int64_t CachedPrefixTokens(std::span<const int32_t> prompt) const {
     (void)prompt;
+    return 0;
+  }
+  // Writes the KV of the longest cached prefix of `prompt`, at most max_tokens, in the hand-off
+  // format (kv_handoff.h) to the host memory `destination(n)` returns for its length n (ExportBytes
+  // of n tokens), and returns n; 0 when nothing is cached (destination is not called). For a
+  // prefill worker that prefills only the rest of a prompt. Thread-safe: the cached blocks are
+  // pinned while they are read, on a stream of the call's own, so steps go on meanwhile. Errors
+  // of `destination` and of the copy.
+  using PrefixDestination = std::function<absl::StatusOr<void*>(int64_t num_tokens)>;
+  virtual absl::StatusOr<int64_t> ExportPrefix(std::span<const int32_t> prompt,
+                                               int64_t max_tokens,
+                                               const PrefixDestination& destination) const {
+    (void)prompt;
+    (void)max_tokens;
+    (void)destination;
     return 0;
   }
   // Thread-safe.

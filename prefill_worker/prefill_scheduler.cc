@@ -49,11 +49,43 @@ absl::Status PrefillScheduler::Validate(const PrefillJob& job) const {
   SamplingParams sampling = job.sampling;
   sampling.max_new_tokens = 1;
   HMOE_RETURN_IF_ERROR(ValidateSamplingParams(sampling));  // InvalidArgument naming the field
+  if (job.prefix.has_value()) {
+    if (job.dslp.has_value()) {
+      return absl::InvalidArgumentError("prefix_kv: not with dslp (DSLP prefills whole prompts)");
+    }
+    if (job.prefix->num_tokens < 1 || job.prefix->num_tokens >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefix_kv.num_tokens: ", job.prefix->num_tokens, ", expected 1 to ",
+                       n - 1, " (the prompt has ", n, " tokens)"));
+    }
+    if (absl::Status s =
+            ValidateKvHandleSpec(*job.prefix, HandoffShapeOf(runner_->kv_cache_config()));
+        !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("prefix_kv: ", s.message()));
+    }
+  }
   if (job.dslp.has_value()) {
     HMOE_RETURN_IF_ERROR(ValidateDslpGroup(*job.dslp, runner_->device().kind()));
     HMOE_RETURN_IF_ERROR(runner_->CheckDslpPrompt(n, job.dslp->world_size));
   }
   return absl::OkStatus();
+}
+
+std::unique_ptr<KvImportSource> PrefillScheduler::OpenPrefix(const Job& job) {
+  const KvHandleSpec& spec = *job.spec.prefix;
+  absl::StatusOr<std::unique_ptr<KvImportSource>> source =
+      importer_->Open(spec, HandoffShapeOf(runner_->kv_cache_config()));
+  // One-shot: unlink the name now (our mapping stays valid), so the decode worker's buffer is
+  // freed as soon as we are done with it rather than when the router releases it.
+  if (absl::Status s = KvHandoffSegment::Remove(spec.shm_name); !s.ok() && !absl::IsNotFound(s)) {
+    HMOE_LOG(WARNING) << "req=" << job.spec.id << " unlink prefix " << spec.shm_name << ": " << s;
+  }
+  if (!source.ok()) {
+    HMOE_LOG(WARNING) << "req=" << job.spec.id << " prefix kv " << spec.shm_name
+                      << " unusable (" << source.status() << "); prefilling the whole prompt";
+    return nullptr;
+  }
+  return *std::move(source);
 }
 
 absl::StatusOr<SlpResult> PrefillScheduler::RunDslpJob(Job& job, const std::string& export_name) {
@@ -177,9 +209,13 @@ void PrefillScheduler::ModelLoop() {
     const absl::Time start = absl::Now();
     const std::string& id = job->spec.id;
     const bool dslp = job->spec.dslp.has_value();
+    std::unique_ptr<KvImportSource> prefix;
+    if (!dslp && job->spec.prefix.has_value()) prefix = OpenPrefix(*job);
     absl::StatusOr<SlpResult> ran =
         dslp ? RunDslpJob(*job, export_name)
-             : runner_->Run(job->spec.prompt, job->spec.sampling, export_name, job->cancel);
+             : runner_->Run(job->spec.prompt, job->spec.sampling, export_name, job->cancel,
+                            prefix.get());
+    prefix.reset();  // unmapped: the decode worker's segment is gone once we unlinked it
     absl::StatusOr<PrefillOutcome> outcome = absl::UnknownError("not run");
     if (!ran.ok()) outcome = ran.status();
     if (ran.ok()) {
@@ -187,6 +223,7 @@ void PrefillScheduler::ModelLoop() {
       o.first_token = ran->first_token;
       if (ran->kv != nullptr) o.handle = ran->kv->handle();
       o.prompt_tokens = ran->prompt_tokens;
+      o.prefix_tokens = ran->prefix_tokens;
       o.queue_us = absl::ToInt64Microseconds(start - job->arrival);
       o.prefill_us = ran->prefill_us;
       o.export_us = ran->export_us;
@@ -219,7 +256,8 @@ void PrefillScheduler::ModelLoop() {
                        << o.first_token << ", kv " << what;
       } else {
         outcome = o;
-        HMOE_LOG(INFO) << "req=" << id << " prefilled " << o.prompt_tokens << " tokens in "
+        HMOE_LOG(INFO) << "req=" << id << " prefilled " << o.prompt_tokens - o.prefix_tokens
+                       << " tokens after a " << o.prefix_tokens << "-token cached prefix in "
                        << o.prefill_us / 1000 << " ms (queue " << o.queue_us / 1000 << " ms, ring "
                        << o.ring_slots << ", " << ran->streaming.passes << " pass(es), "
                        << o.bytes_streamed << " weight bytes streamed, "

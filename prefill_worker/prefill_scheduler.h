@@ -39,6 +39,9 @@ struct PrefillJob {
   SamplingParams sampling;
   // Set: this worker is one rank of a DSLP group (dslp_group.h) and runs SlpRunner::RunDslp.
   std::optional<DslpGroupSpec> dslp;
+  // Set (SLP only): the KV of the prompt's first prefix->num_tokens tokens, a shared-memory
+  // hand-off from the decode worker's prefix cache; only the rest of the prompt is prefilled.
+  std::optional<KvHandleSpec> prefix;
 };
 
 // What a finished prefill returns (PrefillResponse).
@@ -46,6 +49,7 @@ struct PrefillOutcome {
   int32_t first_token = -1;
   KvHandleSpec handle;
   int64_t prompt_tokens = 0;
+  int64_t prefix_tokens = 0;  // taken from PrefillJob::prefix, not computed
   int64_t queue_us = 0;
   int64_t prefill_us = 0;
   int64_t export_us = 0;
@@ -127,6 +131,9 @@ class PrefillScheduler {
   // One DSLP rank's prefill: joins the group, runs it, leaves; a failure removes what the group
   // may have left in shared memory and reports a broken group as Aborted (GroupFailureStatus).
   absl::StatusOr<SlpResult> RunDslpJob(Job& job, const std::string& export_name);
+  // Opens and unlinks the job's prefix hand-off; nullptr (logged) when it cannot be used, so the
+  // whole prompt is prefilled.
+  std::unique_ptr<KvImportSource> OpenPrefix(const Job& job);
   // Completes `job` with `result` and forgets it. mu_ held.
   void FinishLocked(Job& job, absl::StatusOr<PrefillOutcome> result)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -139,6 +146,8 @@ class PrefillScheduler {
   SlpRunner* const runner_;
   ExportTable* const exports_;
   const PrefillSchedulerOptions options_;
+  // Opens decode workers' prefix exports (shared memory); model thread only.
+  const std::unique_ptr<KvImporter> importer_ = NewShmKvImporter();
 
   mutable absl::Mutex mu_;
   std::deque<std::shared_ptr<Job>> queue_ ABSL_GUARDED_BY(mu_);

@@ -42,6 +42,19 @@ absl::StatusOr<PrefillJob> JobFromProto(const v1::PrefillRequest& p) {
     }
     job.dslp = std::move(g);
   }
+  if (p.has_prefix_kv()) {
+    const decode::v1::KvHandle& h = p.prefix_kv();
+    if (h.location_case() != decode::v1::KvHandle::kShmName) {
+      return absl::InvalidArgumentError(
+          "prefix_kv: only a shared-memory hand-off (shm_name) is accepted");
+    }
+    KvHandleSpec spec;
+    spec.kind = KvHandleSpec::Kind::kShm;
+    spec.shm_name = h.shm_name();
+    spec.num_tokens = h.num_tokens();
+    spec.layout_version = h.layout_version();
+    job.prefix = std::move(spec);
+  }
   return job;
 }
 
@@ -60,6 +73,7 @@ v1::PrefillResponse OutcomeToProto(const PrefillOutcome& o, const std::string& w
     h->set_layout_version(o.handle.layout_version);
   }
   r.set_prompt_tokens(static_cast<int32_t>(o.prompt_tokens));
+  r.set_prefix_tokens(static_cast<int32_t>(o.prefix_tokens));
   v1::PrefillTiming* t = r.mutable_timing();
   t->set_queue_us(o.queue_us);
   t->set_prefill_us(o.prefill_us);

@@ -263,7 +263,8 @@ absl::StatusOr<SlpResult> SlpRunner::RunDslp(std::span<const int32_t> prompt,
 absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
                                          const SamplingParams& sampling,
                                          const std::string& export_name,
-                                         const std::atomic<bool>& cancelled) {
+                                         const std::atomic<bool>& cancelled,
+                                         const KvImportSource* prefix) {
   const absl::Time start = absl::Now();
   const int64_t n = static_cast<int64_t>(prompt.size());
   if (n < 1 || n > max_prompt_tokens_) {
@@ -275,16 +276,34 @@ absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
   Sampler sampler = Sampler::Create(first, prompt, {});
   HMOE_RETURN_IF_ERROR(UseExpertsOf(0, 1));  // after a DSLP prefill: every expert again
 
+  const int64_t reused = prefix != nullptr ? static_cast<int64_t>(prefix->header().num_tokens) : 0;
+  if (reused < 0 || reused >= n) {
+    return absl::InvalidArgumentError(absl::StrCat("prefix_kv: ", reused, " tokens for a prompt of ",
+                                                   n, "; expected fewer"));
+  }
+  const int64_t todo = n - reused;
   SlpResult result;
   result.prompt_tokens = n;
-  result.ring_slots = RingSlotsFor(n);
+  result.prefix_tokens = reused;
+  result.ring_slots = RingSlotsFor(todo);
   if (result.ring_slots > 0) HMOE_RETURN_IF_ERROR(weights_->SetRingSlots(result.ring_slots));
   device_->ResetPeakBytes();
-  const int64_t passes = (n + max_step_tokens_ - 1) / max_step_tokens_;
+  const int64_t passes = (todo + max_step_tokens_ - 1) / max_step_tokens_;
   // Only the last step samples: earlier passes leave the head (lm_head) out.
   HMOE_RETURN_IF_ERROR(weights_->BeginPrefill(passes, HeadStreaming::kLastPass));
   KvSequence seq = cache_->NewSequence();
-  absl::StatusOr<std::vector<float>> logits = RunSteps(seq, prompt, cancelled);
+  if (reused > 0) {
+    absl::Status imported =
+        cache_->Import(seq, reused, batch_->stream(), prefix->payload().data(),
+                       prefix->payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost);
+    if (imported.ok()) imported = batch_->stream().Synchronize();
+    if (!imported.ok()) {
+      AbortPrefill();
+      return imported;
+    }
+  }
+  absl::StatusOr<std::vector<float>> logits =
+      RunSteps(seq, prompt.subspan(static_cast<size_t>(reused)), cancelled);
   if (!logits.ok()) {
     AbortPrefill();
     return logits.status();

@@ -32,6 +32,7 @@
 #include "common/engine/kv_cache.h"
 #include "common/engine/sampler.h"
 #include "common/engine/streaming_weights.h"
+#include "common/kv_handoff/kv_handoff.h"
 #include "common/model/model_config.h"
 #include "common/model/tensor.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
@@ -88,6 +89,7 @@ struct SlpResult {
   int32_t first_token = -1;
   std::unique_ptr<KvExport> kv;
   int64_t prompt_tokens = 0;
+  int64_t prefix_tokens = 0;  // taken from Run's `prefix`, not computed
   int64_t prefill_us = 0;  // start to first token sampled and KV exported
   int64_t export_us = 0;
   int64_t ring_slots = 0;
@@ -117,8 +119,16 @@ class SlpRunner {
   // `export_name`). `cancelled` is checked between layers: Cancelled then. Errors of the
   // pipeline, the engine and the export; the device holds nothing of the prompt afterwards
   // either way.
+  //
+  // `prefix` (optional): the KV of the prompt's first prefix->header().num_tokens tokens (fewer
+  // than the prompt's; its header validated against kv_cache_config()), a hand-off from the decode
+  // worker's prefix cache. It is copied into the KV pool and only the rest of the prompt is
+  // prefilled; the export holds the whole prompt. The result equals a run without it when the
+  // prefix's KV is what this runner computes for those tokens (the engine's results do not
+  // depend on how a prompt is split into steps).
   absl::StatusOr<SlpResult> Run(std::span<const int32_t> prompt, const SamplingParams& sampling,
-                                const std::string& export_name, const std::atomic<bool>& cancelled);
+                                const std::string& export_name, const std::atomic<bool>& cancelled,
+                                const KvImportSource* prefix = nullptr);
 
   // One rank of a distributed prefill (DSLP, common/dslp) of `prompt` over `comm` (a joined
   // group: every rank runs the same prompt): the same engine, KV pool and streaming pipeline as
@@ -149,6 +159,7 @@ class SlpRunner {
   int64_t turning_point_tokens() const { return turning_point_; }
   const StreamingWeights& weights() const { return *weights_; }
   int64_t kv_blocks_total() const { return cache_->num_blocks(); }
+  const KvCacheConfig& kv_cache_config() const { return cache_->config(); }
   int64_t kv_blocks_free() const { return cache_->num_free_blocks(); }
   KvExportKind export_kind() const { return export_kind_; }
 

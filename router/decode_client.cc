@@ -50,6 +50,28 @@ class GrpcDecodeClient : public DecodeClient {
     if (!status.ok()) return rpc::FromGrpcStatus(status);
     return response.cached_tokens();
   }
+  absl::StatusOr<dv1::KvHandle> ExportPrefix(const std::string& export_id,
+                                             const std::vector<int32_t>& prompt,
+                                             int64_t max_tokens, absl::Time deadline) override {
+    grpc::ClientContext context;
+    if (deadline != absl::InfiniteFuture()) context.set_deadline(absl::ToChronoTime(deadline));
+    dv1::ExportPrefixRequest request;
+    request.set_export_id(export_id);
+    request.mutable_prompt_token_ids()->Assign(prompt.begin(), prompt.end());
+    request.set_max_tokens(max_tokens);
+    dv1::ExportPrefixResponse response;
+    const grpc::Status status = stub_->ExportPrefix(&context, request, &response);
+    if (!status.ok()) return rpc::FromGrpcStatus(status);
+    return response.kv_handle();
+  }
+  absl::Status ReleasePrefixExport(const std::string& export_id, absl::Time deadline) override {
+    grpc::ClientContext context;
+    if (deadline != absl::InfiniteFuture()) context.set_deadline(absl::ToChronoTime(deadline));
+    dv1::ReleasePrefixExportRequest request;
+    request.set_export_id(export_id);
+    dv1::ReleasePrefixExportResponse response;
+    return rpc::FromGrpcStatus(stub_->ReleasePrefixExport(&context, request, &response));
+  }
 
  private:
   std::unique_ptr<dv1::DecodeService::Stub> stub_;

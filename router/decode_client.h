@@ -45,6 +45,24 @@ class DecodeClient {
     (void)deadline;
     return 0;
   }
+  // Copies the worker's longest cached prefix of `prompt` (at most max_tokens) into a hand-off
+  // buffer for a prefill worker (ExportPrefix RPC): the handle, or one with num_tokens 0 when
+  // nothing is cached. A worker without the RPC (or a fake) exports nothing.
+  virtual absl::StatusOr<hmoe::decode::v1::KvHandle> ExportPrefix(
+      const std::string& export_id, const std::vector<int32_t>& prompt, int64_t max_tokens,
+      absl::Time deadline) {
+    (void)export_id;
+    (void)prompt;
+    (void)max_tokens;
+    (void)deadline;
+    return hmoe::decode::v1::KvHandle();
+  }
+  // Frees an ExportPrefix buffer (ReleasePrefixExport RPC).
+  virtual absl::Status ReleasePrefixExport(const std::string& export_id, absl::Time deadline) {
+    (void)export_id;
+    (void)deadline;
+    return absl::OkStatus();
+  }
 };
 
 // Makes (and may cache) clients by worker endpoint. Thread-safe.

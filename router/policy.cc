@@ -99,7 +99,8 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
   HMOE_ASSIGN_OR_RETURN(d.decode_worker_id, PickDecodeWorker(in.decode_workers, in.cached_tokens));
   int64_t suffix = in.prompt_tokens;
   if (auto it = in.cached_tokens.find(d.decode_worker_id); it != in.cached_tokens.end()) {
-    suffix -= std::min(it->second, in.prompt_tokens);
+    d.cached_tokens = std::min(it->second, in.prompt_tokens);
+    suffix -= d.cached_tokens;
   }
   const std::string& decode_device =
       FindWorker(in.decode_workers, d.decode_worker_id)->identity.device;

@@ -72,6 +72,10 @@ struct RouteDecision {
   // CHUNKED: empty. SLP: candidates in preference order (FCFS takes the first free one). DSLP: all
   // of them run the prefill together, rank i on prefill_worker_ids[i].
   std::vector<std::string> prefill_worker_ids;
+  // Leading prompt tokens the chosen decode worker's prefix cache holds (PolicyInput
+  // cached_tokens): chunked prefill starts after them, and SLP asks that worker for their KV
+  // (ExportPrefix) so the prefill worker computes only the rest.
+  int64_t cached_tokens = 0;
 };
 
 // The decode worker for a new request: the one whose prefix cache holds the most of the prompt

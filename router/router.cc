@@ -193,6 +193,8 @@ struct Router::Prefilled {
   // Every prefill worker that ran it (rank order).
   std::vector<std::string> worker_ids;
   bool released = false;
+  // Leading prompt tokens whose KV came from the decode worker's prefix cache (ExportPrefix).
+  int64_t prefix_tokens = 0;
 };
 
 namespace {
@@ -717,7 +719,10 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
                                                ? finished->usage().completion_tokens()
                                                : req.tokens_streamed);
   if (finished.has_value()) {
-    f.mutable_usage()->set_cached_prompt_tokens(finished->usage().cached_tokens());
+    // A prefill worker that prefilled only the suffix reused the decode worker's cached prefix.
+    const int64_t reused = prefilled.has_value() ? prefilled->prefix_tokens : 0;
+    f.mutable_usage()->set_cached_prompt_tokens(static_cast<int32_t>(
+        std::max<int64_t>(finished->usage().cached_tokens(), reused)));
   }
   return {false, Finish(req, std::move(f))};
 }
@@ -759,6 +764,38 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   if (dslp) {
     absl::MutexLock lock(&mu_);
     group = absl::StrCat(options_.dslp_group_prefix, "-", ++next_dslp_group_);
+  }
+  // SLP after a prefix the decode worker caches: its KV goes to the prefill worker, which
+  // prefills only the rest (DSLP prefills whole prompts). Any failure here just means a whole
+  // prefill. The decode worker owns the buffer until we release it (the prefill worker unlinks it
+  // once read, so this only frees what a failed attempt left).
+  std::shared_ptr<DecodeClient> prefix_owner;
+  absl::Cleanup release_prefix = [&] {
+    if (prefix_owner == nullptr) return;
+    const absl::Status s = prefix_owner->ReleasePrefixExport(
+        base.request_id(), absl::Now() + options_.release_timeout);
+    if (!s.ok() && !absl::IsNotFound(s)) {
+      HMOE_LOG(WARNING) << "req=" << req.id << " release of the prefix export on decode worker "
+                        << route.decode_worker_id << ": " << s;
+    }
+  };
+  if (!dslp && route.cached_tokens > 0 && req.prompt.size() >= 2) {
+    const std::optional<WorkerView> d = registry_->Find(route.decode_worker_id);
+    if (d.has_value()) {
+      std::shared_ptr<DecodeClient> client =
+          decode_clients_->ForEndpoint(d->identity.endpoint, d->incarnation);
+      absl::StatusOr<dv1::KvHandle> h = client->ExportPrefix(
+          base.request_id(), req.prompt, static_cast<int64_t>(req.prompt.size()) - 1,
+          std::min(req.deadline, absl::Now() + options_.prefix_export_timeout));
+      if (!h.ok()) {
+        HMOE_LOG(WARNING) << "req=" << req.id << " prefix export from decode worker "
+                          << route.decode_worker_id << " failed (" << h.status()
+                          << "); prefilling the whole prompt";
+      } else if (h->num_tokens() > 0) {
+        prefix_owner = std::move(client);
+        *base.mutable_prefix_kv() = *std::move(h);
+      }
+    }
   }
   const int world = static_cast<int>(workers.size());
   std::vector<std::unique_ptr<PrefillCall>> calls;
@@ -903,6 +940,7 @@ absl::StatusOr<Router::Prefilled> Router::RunPrefill(Request& req, const RouteDe
   }
   p.first_token_id = results[0]->first_token_id();
   p.kv_handle = results[0]->kv_handle();
+  p.prefix_tokens = results[0]->prefix_tokens();
   HMOE_VLOG(1) << "req=" << req.id << " prefilled on " << granted[0] << " (" << world
                << " rank(s)), first token " << p.first_token_id;
   return p;

@@ -109,6 +109,8 @@ struct RouterOptions {
   bool prefix_cache_all_imports = false;
   // Deadline of the MatchPrefix calls that ask the decode workers' prefix caches before routing.
   absl::Duration prefix_match_timeout = absl::Milliseconds(200);
+  // Deadline of the ExportPrefix call that copies a cached prefix's KV for a prefill worker.
+  absl::Duration prefix_export_timeout = absl::Seconds(30);
 };
 
 // Where a Generate call's responses go (the gRPC stream). Write() is called by the Generate thread

@@ -202,7 +202,7 @@ size_t KvCache::ExportBytes(int64_t num_tokens) const {
          sizeof(float);
 }
 
-absl::Status KvCache::CopyRows(const KvSequence& seq, int64_t n, Stream& stream, void* flat,
+absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, Stream& stream, void* flat,
                                MemorySpace space, bool to_flat) {
   const int64_t rf = config_.row_floats();
   const int64_t bs = config_.block_size;
@@ -214,7 +214,7 @@ absl::Status KvCache::CopyRows(const KvSequence& seq, int64_t n, Stream& stream,
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t count = std::min(bs, n - t0);
       float* rows =
-          view.base + static_cast<int64_t>(seq.block_table()[t0 / bs]) * view.block_stride;
+          view.base + static_cast<int64_t>(blocks[t0 / bs]) * view.block_stride;
       std::byte* other = base + static_cast<size_t>(l * n + t0) * row_bytes;
       const size_t bytes = static_cast<size_t>(count) * row_bytes;
       if (space == MemorySpace::kDevice) {
@@ -236,7 +236,25 @@ absl::Status KvCache::Export(const KvSequence& seq, Stream& stream, void* dst,
   }
   if (seq.num_tokens() == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("kv export: null destination");
-  return CopyRows(seq, seq.num_tokens(), stream, dst, dst_space, /*to_flat=*/true);
+  return CopyRows(seq.block_table(), seq.num_tokens(), stream, dst, dst_space, /*to_flat=*/true);
+}
+
+absl::Status KvCache::ExportBlocks(const std::vector<int32_t>& blocks, int64_t num_tokens,
+                                   Stream& stream, void* dst, MemorySpace dst_space) {
+  if (num_tokens < 0 ||
+      num_tokens > static_cast<int64_t>(blocks.size()) * config_.block_size) {
+    return absl::InvalidArgumentError(absl::StrCat("kv export: ", num_tokens, " tokens in ",
+                                                   blocks.size(), " blocks of ",
+                                                   config_.block_size));
+  }
+  for (const int32_t b : blocks) {
+    if (b < 0 || b >= config_.num_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("kv export: block ", b, " is not in the pool"));
+    }
+  }
+  if (num_tokens == 0) return absl::OkStatus();
+  if (dst == nullptr) return absl::InvalidArgumentError("kv export: null destination");
+  return CopyRows(blocks, num_tokens, stream, dst, dst_space, /*to_flat=*/true);
 }
 
 absl::Status KvCache::Import(KvSequence& seq, int64_t num_tokens, Stream& stream, const void* src,
@@ -253,7 +271,8 @@ absl::Status KvCache::Import(KvSequence& seq, int64_t num_tokens, Stream& stream
   if (num_tokens == 0) return absl::OkStatus();
   HMOE_RETURN_IF_ERROR(seq.Reserve(num_tokens));
   absl::Status copied =
-      CopyRows(seq, num_tokens, stream, const_cast<void*>(src), src_space, /*to_flat=*/false);
+      CopyRows(seq.block_table(), num_tokens, stream, const_cast<void*>(src), src_space,
+               /*to_flat=*/false);
   if (!copied.ok()) {
     seq.Reset();
     return copied;

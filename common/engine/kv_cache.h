@@ -146,6 +146,12 @@ class KvCache {
   // host or device memory per `dst_space`), enqueued on `stream` (synchronize before reading).
   // InvalidArgument when `seq` belongs to another cache.
   absl::Status Export(const KvSequence& seq, Stream& stream, void* dst, MemorySpace dst_space);
+  // As Export, for the first `num_tokens` tokens held by `blocks` (in token order; enough of them
+  // to hold num_tokens) — blocks the caller holds references on (KvCache::Retain) and nobody
+  // writes meanwhile, such as a prefix cache's. InvalidArgument for too few blocks, a block index
+  // outside the pool or a null destination.
+  absl::Status ExportBlocks(const std::vector<int32_t>& blocks, int64_t num_tokens, Stream& stream,
+                            void* dst, MemorySpace dst_space);
   // Fills the empty sequence `seq` of this cache with `num_tokens` tokens read from `src` in the
   // hand-off format (ExportBytes(num_tokens) bytes), reserving its blocks first
   // (ResourceExhausted when they do not fit; `seq` unchanged). FailedPrecondition when `seq` is
@@ -161,7 +167,7 @@ class KvCache {
   absl::Status AllocateBlocks(int64_t count, std::vector<int32_t>* out);
   void FreeBlocks(const std::vector<int32_t>& blocks);
   // Copies the rows of `seq`'s tokens [0, n) of every layer to/from a hand-off buffer.
-  absl::Status CopyRows(const KvSequence& seq, int64_t n, Stream& stream, void* flat,
+  absl::Status CopyRows(const std::vector<int32_t>& blocks, int64_t n, Stream& stream, void* flat,
                         MemorySpace space, bool to_flat);
 
   Device* device_;

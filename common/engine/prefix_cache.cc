@@ -123,6 +123,29 @@ absl::StatusOr<int64_t> PrefixCache::Acquire(std::span<const int32_t> tokens, in
   return reused;
 }
 
+std::pair<std::vector<int32_t>, int64_t> PrefixCache::Pin(std::span<const int32_t> tokens,
+                                                          int64_t max_tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Found f = Find(tokens, max_tokens);
+  std::vector<int32_t> blocks;
+  if (f.path.empty() && f.partial == nullptr) return {blocks, 0};
+  ++clock_;
+  for (Node* n : f.path) {
+    blocks.push_back(n->block);
+    Touch(n);
+  }
+  int64_t pinned = static_cast<int64_t>(f.path.size()) * block_size_;
+  if (f.partial != nullptr && f.partial_rows > 0) {
+    blocks.push_back(f.partial->block);
+    pinned += f.partial_rows;
+    Touch(f.partial);
+  }
+  kv_.Retain(blocks);
+  ++stats_.exports;
+  stats_.exported_tokens += pinned;
+  return {std::move(blocks), pinned};
+}
+
 PrefixCache::Node* PrefixCache::AddChild(Node* parent, std::vector<int32_t> tokens, int32_t block) {
   if (parent != &root_ && parent->children.empty()) leaves_.erase({parent->last_use, parent});
   auto node = std::make_unique<Node>();

@@ -195,6 +195,53 @@ TEST_F(PrefixCacheTest, NeverEvictsBlocksASequenceUses) {
   EXPECT_EQ(cache_->num_free_blocks(), cache_->num_blocks());
 }
 
+// Pin (a decode worker exporting a prefix to a prefill worker): the pinned blocks, whole ones and
+// the partially matched one read in place, hold the prefix's rows in the hand-off layout
+// (ExportBlocks: per layer, per token), and no eviction takes them until they are released.
+TEST_F(PrefixCacheTest, PinnedPrefixesExportTheirRowsAndAreNotEvictedUntilReleased) {
+  Make(32, 4, 8);
+  const std::vector<int32_t> a = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // 2 full blocks + 2 tokens
+  Cache(a);
+  const std::vector<int32_t> b = {1, 2, 3, 4, 5, 6, 7, 8, 9, 42, 43};
+  auto [blocks, n] = prefix_->Pin(b, 10);
+  ASSERT_EQ(n, 9);  // 8 in whole blocks + 1 row of the partial node
+  ASSERT_EQ(blocks.size(), 3u);
+  for (const int32_t block : blocks) EXPECT_EQ(cache_->block_refs(block), 2);  // tree + pin
+  EXPECT_EQ(prefix_->stats().exports, 1);
+  EXPECT_EQ(prefix_->stats().exported_tokens, 9);
+  EXPECT_EQ(prefix_->stats().lookups, 0);
+
+  const KvCacheConfig& c = cache_->config();
+  std::vector<float> flat(cache_->ExportBytes(n) / sizeof(float), -1.0f);
+  ASSERT_TRUE(cache_->ExportBlocks(blocks, n, *stream_, flat.data(), MemorySpace::kHost).ok());
+  ASSERT_TRUE(stream_->Synchronize().ok());
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < c.row_floats(); ++i) {
+        ASSERT_EQ(flat[(l * n + t) * c.row_floats() + i], RowValue(b, t, l, i))
+            << "layer " << l << " token " << t;
+      }
+    }
+  }
+  EXPECT_EQ(cache_->ExportBlocks(blocks, 13, *stream_, flat.data(), MemorySpace::kHost).code(),
+            absl::StatusCode::kInvalidArgument);  // 3 blocks of 4 hold 12
+  EXPECT_EQ(cache_->ExportBlocks({99}, 1, *stream_, flat.data(), MemorySpace::kHost).code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Pinned: pool pressure evicts nothing (the leaf is pinned, so its ancestors stay too).
+  EXPECT_EQ(prefix_->evictable_blocks(), 0);
+  EXPECT_FALSE(prefix_->EvictForFree(cache_->num_blocks()));
+  EXPECT_EQ(prefix_->Match(a, 10), 10);
+  cache_->Release(blocks);
+  EXPECT_EQ(prefix_->evictable_blocks(), 3);
+  EXPECT_TRUE(prefix_->EvictForFree(cache_->num_blocks()));
+  EXPECT_EQ(cache_->num_free_blocks(), cache_->num_blocks());
+  // Nothing cached: nothing pinned.
+  auto [none, zero] = prefix_->Pin(b, 10);
+  EXPECT_TRUE(none.empty());
+  EXPECT_EQ(zero, 0);
+}
+
 TEST_F(PrefixCacheTest, ALongerPartialReplacesAShorterOne) {
   Make(16, 4, 16);
   Cache({1, 2, 3, 4, 5});

@@ -224,6 +224,81 @@ TEST(SlpRunnerTest, FirstTokenAndExportedKvEqualTheResidentEngine) {
   EXPECT_EQ(rig->runner->kv_blocks_free(), rig->runner->kv_blocks_total());
 }
 
+// The first `prefix` tokens of a full hand-off payload of `n` tokens (per layer, per token), in a
+// new shared-memory segment `name` as a decode worker's ExportPrefix writes it.
+void WritePrefixSegment(const std::vector<std::byte>& full, int64_t n, int64_t prefix,
+                        const KvHandoffShape& shape, const std::string& name, bool poison = false) {
+  auto segment = KvHandoffSegment::Create(name, shape, prefix);
+  ASSERT_TRUE(segment.ok()) << segment.status();
+  const size_t row = (shape.kv_lora_rank + shape.rope_dim) * sizeof(float);
+  std::byte* out = segment->payload().data();
+  for (uint32_t l = 0; l < shape.num_layers; ++l) {
+    std::memcpy(out + l * prefix * row, full.data() + l * n * row, prefix * row);
+  }
+  if (poison) {  // one value of the first layer's first row
+    const float bad = 1e3f;
+    std::memcpy(out, &bad, sizeof(bad));
+  }
+}
+
+// A prefix handed over by the decode worker's prefix cache: only the rest of the prompt is
+// prefilled (in one pass or several), and the first token and the exported KV of the whole prompt
+// are bit for bit those of the resident engine's full prefill. A prefix whose KV is off changes
+// the result, so the prefix is really used.
+TEST(SlpRunnerTest, APrefixFromTheDecodeWorkerLeavesOnlyTheSuffixAndChangesNothing) {
+  const std::vector<int32_t> prompt = RandomTokens(150, 8, 1000);
+  const ResidentPrefill want = Resident(prompt);
+  std::atomic<bool> cancelled{false};
+  for (int64_t max_step : {int64_t{0}, int64_t{32}}) {
+    SlpRunnerOptions options;
+    options.max_step_tokens = max_step;
+    auto rig = RunnerRig::Make(options);
+    ASSERT_NE(rig, nullptr);
+    const KvHandoffShape shape = HandoffShapeOf(rig->runner->kv_cache_config());
+    for (int64_t prefix : {int64_t{1}, int64_t{64}, int64_t{100}, int64_t{149}}) {
+      SCOPED_TRACE(absl::StrCat("max_step_tokens ", max_step, ", prefix ", prefix));
+      const std::string in = UniqueName("prefix");
+      WritePrefixSegment(want.kv, 150, prefix, shape, in);
+      KvHandleSpec h;
+      h.shm_name = in;
+      h.num_tokens = prefix;
+      h.layout_version = kKvHandoffLayoutVersion;
+      auto source = NewShmKvImporter()->Open(h, shape);
+      ASSERT_TRUE(source.ok()) << source.status();
+      auto got = rig->runner->Run(prompt, SamplingParams(), UniqueName("suffix"), cancelled,
+                                  source->get());
+      ASSERT_TRUE(KvHandoffSegment::Remove(in).ok());
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->prefix_tokens, prefix);
+      EXPECT_EQ(got->prompt_tokens, 150);
+      EXPECT_EQ(got->first_token, engine_test::ArgMax(want.logits));
+      EXPECT_EQ(got->kv->handle().num_tokens, 150);
+      EXPECT_TRUE(ReadExport(got->kv->handle(), shape) == want.kv) << "exported KV differs";
+      const int64_t step = max_step == 0 ? rig->runner->max_step_tokens() : max_step;
+      EXPECT_EQ(got->streaming.passes, (150 - prefix + step - 1) / step);
+      EXPECT_EQ(rig->runner->kv_blocks_free(), rig->runner->kv_blocks_total());
+    }
+    // A prefix with one value off: the prefill attends to it, so the export differs.
+    const std::string bad = UniqueName("poisoned");
+    WritePrefixSegment(want.kv, 150, 100, shape, bad, /*poison=*/true);
+    KvHandleSpec h;
+    h.shm_name = bad;
+    h.num_tokens = 100;
+    h.layout_version = kKvHandoffLayoutVersion;
+    auto source = NewShmKvImporter()->Open(h, shape);
+    ASSERT_TRUE(source.ok()) << source.status();
+    auto got = rig->runner->Run(prompt, SamplingParams(), UniqueName("poisoned-out"), cancelled,
+                                source->get());
+    ASSERT_TRUE(KvHandoffSegment::Remove(bad).ok());
+    ASSERT_TRUE(got.ok()) << got.status();
+    const std::vector<std::byte> out = ReadExport(got->kv->handle(), shape);
+    const size_t row = (shape.kv_lora_rank + shape.rope_dim) * sizeof(float);
+    // Layer 1's rows of the suffix were computed from layer 0's poisoned prefix.
+    const size_t at = (150 + 100) * row;
+    EXPECT_NE(std::memcmp(out.data() + at, want.kv.data() + at, 50 * row), 0);
+  }
+}
+
 TEST(SlpRunnerTest, RingShrinksToTwoPastTheTurningPoint) {
   SlpRunnerOptions options;
   options.turning_point_tokens = 30;
@@ -422,6 +497,18 @@ TEST(PrefillSchedulerTest, BadRequestsNameTheFieldAndShutdownRefusesWork) {
   PrefillJob temp = Job("t");
   temp.sampling.temperature = -1;
   cases.push_back({temp, "temperature"});
+  KvHandleSpec prefix;
+  prefix.shm_name = "hmoe-kvp-test-1";
+  prefix.layout_version = kKvHandoffLayoutVersion;
+  PrefillJob whole = Job("p1");
+  prefix.num_tokens = static_cast<int64_t>(whole.prompt.size());  // must leave >= 1 token
+  whole.prefix = prefix;
+  cases.push_back({whole, "prefix_kv.num_tokens"});
+  PrefillJob layout = Job("p2");
+  prefix.num_tokens = 2;
+  prefix.layout_version = 99;
+  layout.prefix = prefix;
+  cases.push_back({layout, "layout_version"});
   for (const Case& c : cases) {
     const absl::Status s = scheduler.Prefill(c.job, nullptr).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field << ": " << s;
@@ -446,6 +533,26 @@ TEST(PrefillSchedulerTest, BadRequestsNameTheFieldAndShutdownRefusesWork) {
   EXPECT_EQ(job->dslp->ep_mode, EpMode::kStandard);
   g->set_ep_mode(static_cast<v1::EpMode>(9));
   EXPECT_EQ(JobFromProto(dslp).status().code(), absl::StatusCode::kInvalidArgument);
+  // A prefix only with a shared-memory handle, and never with DSLP.
+  v1::PrefillRequest with_prefix;
+  with_prefix.set_request_id("px");
+  for (int i = 0; i < 10; ++i) with_prefix.add_prompt_token_ids(i + 1);
+  with_prefix.mutable_prefix_kv()->set_cuda_ipc_handle(std::string(64, 'x'));
+  EXPECT_EQ(JobFromProto(with_prefix).status().code(), absl::StatusCode::kInvalidArgument);
+  with_prefix.mutable_prefix_kv()->set_shm_name("hmoe-kvp-test-2");
+  with_prefix.mutable_prefix_kv()->set_num_tokens(4);
+  absl::StatusOr<PrefillJob> prefixed = JobFromProto(with_prefix);
+  ASSERT_TRUE(prefixed.ok()) << prefixed.status();
+  ASSERT_TRUE(prefixed->prefix.has_value());
+  EXPECT_EQ(prefixed->prefix->num_tokens, 4);
+  *with_prefix.mutable_dslp() = dslp.dslp();
+  with_prefix.mutable_dslp()->set_ep_mode(v1::EP_MODE_STANDARD);
+  with_prefix.mutable_prefix_kv()->set_layout_version(kKvHandoffLayoutVersion);
+  absl::StatusOr<PrefillJob> both = JobFromProto(with_prefix);
+  ASSERT_TRUE(both.ok()) << both.status();
+  const absl::Status refused = scheduler.Prefill(*both, nullptr).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "prefix_kv")) << refused;
   struct GroupCase {
     std::function<void(DslpGroupSpec&, PrefillJob&)> edit;
     std::string field;
