@@ -191,6 +191,8 @@ grpc::Status DecodeServiceImpl::GetStatus(grpc::ServerContext* /*context*/,
   response->set_prefix_cache_hits(s.prefix_cache.hits);
   response->set_prefix_cache_hit_tokens(s.prefix_cache.hit_tokens);
   response->set_prefix_cache_evicted_blocks(s.prefix_cache.evicted_blocks);
+  response->set_prefix_cache_exports(s.prefix_cache.exports);
+  response->set_prefix_cache_exported_tokens(s.prefix_cache.exported_tokens);
   return grpc::Status::OK;
 }
 

@@ -83,25 +83,26 @@ absl::Status Run(process::StopSignalWatcher& signals) {
     return absl::OkStatus();
   }
 
-  // Prefixes exported to prefill workers (ExportPrefix); a previous incarnation's are stale.
-  const std::string prefix_export_prefix =
-      KvExportNamePrefix("kvp", flags.common.server.worker_id);
-  if (absl::StatusOr<int> stale = RemoveStaleShmExports(prefix_export_prefix); !stale.ok()) {
+  // Prefixes exported to prefill workers (ExportPrefix), named <prefix><pid>-<n>; those of a
+  // process that is gone (a previous incarnation that crashed) are stale.
+  const std::string export_base = KvExportNamePrefix("kvp", flags.common.server.worker_id);
+  const std::string prefix_export_prefix = absl::StrCat(export_base, ::getpid(), "-");
+  if (absl::StatusOr<int> stale = RemoveShmExportsOfDeadProcesses(export_base); !stale.ok()) {
     HMOE_LOG(WARNING) << "removing stale prefix exports: " << stale.status();
   } else if (*stale > 0) {
     HMOE_LOG(INFO) << "removed " << *stale << " stale prefix export(s) of a previous run";
   }
   std::unique_ptr<ExportTable> prefix_exports;
   if (*prefix_blocks > 0) {
-    prefix_exports = std::make_unique<ExportTable>(
-        absl::Seconds(flags.prefix_export_timeout_seconds));
+    prefix_exports =
+        std::make_unique<ExportTable>(absl::Seconds(flags.prefix_export_timeout_seconds));
   }
 
   // --- serve, register
-  DecodeServiceImpl service(scheduler->get(), engine->get(), importer.get(),
-                            DecodeServiceInfo{flags.common.server.worker_id,
-                                              (*engine)->device_name(), prefix_export_prefix,
-                                              prefix_exports.get()});
+  DecodeServiceImpl service(
+      scheduler->get(), engine->get(), importer.get(),
+      DecodeServiceInfo{flags.common.server.worker_id, (*engine)->device_name(),
+                        prefix_export_prefix, prefix_exports.get()});
   Scheduler* sched = scheduler->get();
   flags.common.server.device = (*engine)->device_name();
   flags.common.server.model = weights->description;

@@ -158,8 +158,14 @@ absl::StatusOr<RouteDecision> DecideRoute(const PolicyInput& in, const PolicyOpt
   if (decode_idle) {
     // DSLP over every prefill worker (of one device kind) when there are two or more and the
     // prompt has at least two tokens per worker (the zig-zag split); else SLP on any of them.
+    // DSLP prefills the whole prompt (its ranks cannot start from the decode worker's cached
+    // prefix) while SLP prefills only the suffix: with W workers DSLP's share per worker is about
+    // (cached + suffix) / W tokens, so a cached prefix of at least (W - 1) x suffix makes SLP the
+    // faster choice.
     const std::vector<std::string> group = DslpCandidates(in.prefill_workers);
-    if (group.size() >= 2 && in.dslp_allowed &&
+    const auto w = static_cast<int64_t>(group.size());
+    const bool prefix_favours_slp = w >= 2 && d.cached_tokens >= (w - 1) * suffix;
+    if (group.size() >= 2 && in.dslp_allowed && !prefix_favours_slp &&
         in.prompt_tokens >= 2 * static_cast<int64_t>(group.size())) {
       d.path = Path::kDslp;
       d.prefill_worker_ids = group;

@@ -721,8 +721,8 @@ Router::Outcome Router::RunAttempt(Request& req, const RouteDecision& route, int
   if (finished.has_value()) {
     // A prefill worker that prefilled only the suffix reused the decode worker's cached prefix.
     const int64_t reused = prefilled.has_value() ? prefilled->prefix_tokens : 0;
-    f.mutable_usage()->set_cached_prompt_tokens(static_cast<int32_t>(
-        std::max<int64_t>(finished->usage().cached_tokens(), reused)));
+    f.mutable_usage()->set_cached_prompt_tokens(
+        static_cast<int32_t>(std::max<int64_t>(finished->usage().cached_tokens(), reused)));
   }
   return {false, Finish(req, std::move(f))};
 }

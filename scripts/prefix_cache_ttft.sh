@@ -10,8 +10,15 @@
 #   hit2  prefix + question 4, cache on
 # Prints each TTFT, the cached tokens, hit / off and the load average, then stops the stack.
 #
-#   scripts/prefix_cache_ttft.sh MODEL BIN_DIR PORT [PREFIX_TOKENS] [QUESTION_TOKENS]
+# With PREFILL_WORKERS=1 the stack has a CPU prefill worker too (the router's --chunk-threshold
+# is CHUNK_THRESHOLD, default 256, and --cpu-devices-shared=false so the policy may use it while
+# the decode worker is idle): a long question then goes to the prefill worker, which on a hit
+# gets the prefix's KV from the decode worker's cache and prefills only the question; off and
+# cold prefill the whole prompt there.
+#
+#   [PREFILL_WORKERS=1] scripts/prefix_cache_ttft.sh MODEL BIN_DIR PORT [PREFIX_TOKENS] [QUESTION_TOKENS]
 #   e.g. scripts/prefix_cache_ttft.sh out/small build/cpu 50097 4096 16
+#        PREFILL_WORKERS=1 scripts/prefix_cache_ttft.sh out/small build/cpu 50097 4096 1024
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL="$1"; BIN_DIR="$2"; PORT="$3"; PREFIX="${4:-4096}"; QUESTION="${5:-16}"
@@ -21,7 +28,14 @@ HMOE="$BIN_DIR/tools/hmoe"
 require_client prefix_cache_ttft "$HMOE"
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-prefix-ttft.XXXXXX")"
 RUN_DIR="$OUT/run"; CONF="$OUT/supervisord.conf"
-"$HMOE" deploy --model "$MODEL" --out "$OUT" --run-dir "$RUN_DIR" --gpus 0 --prefill-workers 0 \
+PREFILL_WORKERS="${PREFILL_WORKERS:-0}"
+ROUTER_ARGS=""
+if [[ "$PREFILL_WORKERS" != 0 ]]; then
+  ROUTER_ARGS="--chunk-threshold=${CHUNK_THRESHOLD:-256} --cpu-devices-shared=false"
+fi
+"$HMOE" deploy --model "$MODEL" --out "$OUT" --run-dir "$RUN_DIR" --gpus 0 \
+  --prefill-workers "$PREFILL_WORKERS" --router-args="$ROUTER_ARGS" \
+  --prefill-args="--threads=2 --pin-threads=false" \
   --bin-dir "$BIN_DIR" --listen "127.0.0.1:$PORT" --http-listen= \
   --instance "prefix-ttft-$$" --weightd-args=--remove-on-exit \
   --decode-args="--threads=2 --pin-threads=false" >/dev/null || exit 1
@@ -35,20 +49,22 @@ PREFIX_IDS=$(ids "$PREFIX" 1)
 run() {  # run NAME SEED CACHE
   "$HMOE" generate --addr "127.0.0.1:$PORT" --prompt-ids "$PREFIX_IDS,$(ids "$QUESTION" "$2")" \
     --max-new-tokens 1 --cache-prompt="$3" --timeout-s 3600 >"$OUT/$1.out" 2>&1
-  local t c
+  local t c p
   t=$(ttft_ms prefix_cache_ttft "$OUT/$1.out")
   c=$(grep -o '([0-9]* cached)' "$OUT/$1.out" | tr -dc 0-9)
-  echo "$1 $t $c"
+  p=$(grep -o 'path [A-Z_]*' "$OUT/$1.out" | head -1 | cut -d' ' -f2)
+  echo "$1 $t ${c:-0} ${p:-?}"
 }
 COLD=$(run cold 2 true) || exit 1
 HIT=$(run hit 3 true) || exit 1
 OFF=$(run off 4 false) || exit 1
 HIT2=$(run hit2 5 true) || exit 1
 echo "model $(basename "$MODEL"), prefix $PREFIX + question $QUESTION tokens," \
+  "$PREFILL_WORKERS prefill worker(s)," \
   "CPU $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 for r in "$COLD" "$HIT" "$OFF" "$HIT2"; do
-  read -r name t c <<<"$r"
-  printf '  %-5s TTFT %10.1f ms  cached %s tokens\n' "$name" "$t" "$c"
+  read -r name t c p <<<"$r"
+  printf '  %-5s TTFT %10.1f ms  cached %s tokens  path %s\n' "$name" "$t" "$c" "$p"
 done
 read -r _ thit _ <<<"$HIT"; read -r _ toff _ <<<"$OFF"; read -r _ thit2 _ <<<"$HIT2"
 awk -v a="$toff" -v b="$thit" -v c="$thit2" \

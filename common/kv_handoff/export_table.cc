@@ -1,11 +1,17 @@
 #include "common/kv_handoff/export_table.h"
 
 #include <dirent.h>
+#include <signal.h>
+#include <sys/types.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <functional>
+#include <limits>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -47,7 +53,8 @@ class ShmNameExport final : public KvExport {
   ShmNameExport(KvHandleSpec spec, size_t size_bytes)
       : spec_(std::move(spec)), size_bytes_(size_bytes) {}
   ~ShmNameExport() override {
-    if (absl::Status s = KvHandoffSegment::Remove(spec_.shm_name); !s.ok() && !absl::IsNotFound(s)) {
+    if (absl::Status s = KvHandoffSegment::Remove(spec_.shm_name);
+        !s.ok() && !absl::IsNotFound(s)) {
       HMOE_LOG(WARNING) << "remove kv hand-off segment " << spec_.shm_name << ": " << s;
     }
   }
@@ -80,7 +87,11 @@ std::string KvExportNamePrefix(std::string_view tag, const std::string& worker_i
   return absl::StrCat("hmoe-", std::string(tag), "-", id.substr(0, 150), "-");
 }
 
-absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix) {
+namespace {
+
+// Unlinks every /dev/shm/<prefix>* segment `stale` says is stale.
+absl::StatusOr<int> RemoveShmExportsIf(std::string_view prefix,
+                                       const std::function<bool(std::string_view)>& stale) {
   HMOE_RETURN_IF_ERROR(ValidateKvHandoffName(prefix));
   if (prefix.size() < 8) {
     return absl::InvalidArgumentError(absl::StrCat("stale kv export prefix \"", std::string(prefix),
@@ -90,7 +101,8 @@ absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix) {
   if (dir == nullptr) return 0;  // no POSIX shared memory mounted: nothing can be stale
   std::vector<std::string> names;
   while (const dirent* e = ::readdir(dir)) {
-    if (std::string_view(e->d_name).starts_with(prefix)) names.emplace_back(e->d_name);
+    const std::string_view name(e->d_name);
+    if (name.starts_with(prefix) && stale(name.substr(prefix.size()))) names.emplace_back(name);
   }
   ::closedir(dir);
   int removed = 0;
@@ -102,6 +114,26 @@ absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix) {
     }
   }
   return removed;
+}
+
+}  // namespace
+
+absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix) {
+  return RemoveShmExportsIf(prefix, [](std::string_view) { return true; });
+}
+
+absl::StatusOr<int> RemoveShmExportsOfDeadProcesses(std::string_view prefix) {
+  return RemoveShmExportsIf(prefix, [](std::string_view rest) {
+    int64_t pid = 0;
+    const size_t dash = rest.find('-');
+    if (dash == std::string_view::npos || dash == 0 ||
+        !absl::SimpleAtoi(absl::string_view(rest.data(), dash), &pid) || pid <= 0 ||
+        pid > std::numeric_limits<pid_t>::max()) {
+      return true;  // not one of ours as named today
+    }
+    // ESRCH: no such process. EPERM means one exists (another user's: not ours to judge).
+    return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  });
 }
 
 // ---------------------------------------------------------------------------------- ExportTable

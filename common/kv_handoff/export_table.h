@@ -57,6 +57,12 @@ std::unique_ptr<KvExport> NewShmNameExport(KvHandleSpec spec, size_t size_bytes)
 // others' segments).
 absl::StatusOr<int> RemoveStaleShmExports(std::string_view prefix);
 
+// As RemoveStaleShmExports, for names "<prefix><pid>-..." that embed their creator's process id:
+// removes only those whose process is gone (or that carry no pid), so two processes sharing a
+// prefix (two stacks on one machine whose workers have the same id) never remove each other's
+// live segments.
+absl::StatusOr<int> RemoveShmExportsOfDeadProcesses(std::string_view prefix);
+
 // The hand-off name prefix of the process `worker_id` with `tag` ("kv" for a prefill worker's
 // exports, "kvp" for a decode worker's prefix exports): "hmoe-<tag>-<id>-", the id's characters
 // outside [A-Za-z0-9_.-] replaced by '_' and cut to 150.

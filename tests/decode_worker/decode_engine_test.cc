@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <span>
@@ -22,9 +24,11 @@
 
 #include "common/device/cpu_device.h"
 #include "common/engine/reference/reference_model.h"
+#include "common/kv_handoff/export_table.h"
 #include "common/kv_handoff/kv_handoff.h"
 #include "common/model/checkpoint.h"
 #include "common/ops/cpu/cpu_worker_pool.h"
+#include "decode_worker/decode_service.h"
 #include "decode_worker/forward_pass_step_engine.h"
 #include "decode_worker/scheduler.h"
 #include "tests/decode_worker/decode_test_util.h"
@@ -567,6 +571,101 @@ TEST_F(PrefixCacheEngineTest, ARequestCanOptOutAndCachedBlocksGiveWay) {
   Result big = run(Greedy("big", Prompt(480, 62), kNew));
   ASSERT_EQ(big.finish.reason, FinishReason::kLength) << big.finish.error;
   EXPECT_EQ(big.tokens, Expected(Prompt(480, 62)));
+}
+
+// ExportPrefix (a decode worker handing a cached prefix to a prefill worker): the RPC copies the
+// longest cached prefix into a segment the worker owns until ReleasePrefixExport or the timeout,
+// and names the bad field of a bad request.
+TEST_F(PrefixCacheEngineTest, ExportPrefixCopiesTheCachedPrefixIntoASegmentTheWorkerOwns) {
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
+  ASSERT_NE(engine, nullptr);
+  std::unique_ptr<Scheduler> scheduler = Start(*engine);
+  ASSERT_NE(scheduler, nullptr);
+  auto importer = NewShmKvImporter();
+  ExportTable table(absl::Minutes(5));
+  const std::string names = absl::StrCat("hmoe-test-kvp-", ::getpid(), "-");
+  DecodeServiceImpl service(scheduler.get(), engine.get(), importer.get(),
+                            DecodeServiceInfo{"decode-test", "cpu", names, &table});
+  DecodeServiceImpl without(scheduler.get(), engine.get(), importer.get(),
+                            DecodeServiceInfo{"decode-test", "cpu", "", nullptr});
+  const std::vector<int32_t> prefix = Prompt(200, 21);
+  const std::vector<int32_t> a = Concat(prefix, Prompt(4, 1));
+  const std::vector<int32_t> b = Concat(prefix, Prompt(7, 2));
+  auto request = [&](const std::string& id, const std::vector<int32_t>& prompt, int64_t max) {
+    v1::ExportPrefixRequest r;
+    r.set_export_id(id);
+    r.mutable_prompt_token_ids()->Assign(prompt.begin(), prompt.end());
+    r.set_max_tokens(max);
+    return r;
+  };
+  grpc::ServerContext context;
+  v1::ExportPrefixResponse response;
+  const int64_t max_b = static_cast<int64_t>(b.size()) - 1;
+  // Nothing cached yet: OK, no handle.
+  const v1::ExportPrefixRequest first = request("e0", b, max_b);
+  ASSERT_TRUE(service.ExportPrefix(&context, &first, &response).ok());
+  EXPECT_FALSE(response.has_kv_handle());
+  EXPECT_EQ(table.count(), 0);
+
+  auto ch = scheduler->Submit(Greedy("a", a, kNew));
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  EXPECT_EQ(Collect(**ch).finish.reason, FinishReason::kLength);
+
+  const v1::ExportPrefixRequest good = request("e1", b, max_b);
+  PoisonFreeBlocks(*engine);
+  response.Clear();
+  grpc::Status st = service.ExportPrefix(&context, &good, &response);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_TRUE(response.has_kv_handle());
+  const v1::KvHandle h = response.kv_handle();
+  EXPECT_EQ(h.num_tokens(), 200);
+  EXPECT_TRUE(h.shm_name().starts_with(names)) << h.shm_name();
+  EXPECT_EQ(table.count(), 1);
+  EXPECT_EQ(scheduler->stats().prefix_cache.exports, 1);
+  // The segment opens as a hand-off of 200 tokens of this model's shape, with finite values (the
+  // pool's free blocks are NaN-poisoned, so a block that is not the prefix's would show).
+  KvHandleSpec spec;
+  spec.shm_name = h.shm_name();
+  spec.num_tokens = h.num_tokens();
+  spec.layout_version = h.layout_version();
+  {
+    auto source = importer->Open(spec, engine->kv_handoff_shape());
+    ASSERT_TRUE(source.ok()) << source.status();
+    const auto* f = reinterpret_cast<const float*>((*source)->payload().data());
+    const size_t count = (*source)->payload().size() / sizeof(float);
+    EXPECT_EQ((*source)->payload().size(), engine->kv_cache().ExportBytes(200));
+    EXPECT_TRUE(std::all_of(f, f + count, [](float x) { return std::isfinite(x); }));
+  }
+  // An id in use is refused.
+  response.Clear();
+  EXPECT_EQ(service.ExportPrefix(&context, &good, &response).error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+  // Bad requests name the field; a worker without a cache refuses.
+  const std::vector<std::pair<v1::ExportPrefixRequest, std::string>> bad = {
+      {request("", b, max_b), "export_id"},
+      {request("a/b", b, max_b), "export_id"},
+      {request("e2", b, 0), "max_tokens"},
+      {request("e3", b, static_cast<int64_t>(b.size())), "max_tokens"},
+  };
+  for (const auto& [r, field] : bad) {
+    st = service.ExportPrefix(&context, &r, &response);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_NE(st.error_message().find(field), std::string::npos) << st.error_message();
+  }
+  EXPECT_EQ(without.ExportPrefix(&context, &good, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  // Release frees the segment; a second Release is NOT_FOUND.
+  v1::ReleasePrefixExportRequest release;
+  release.set_export_id("e1");
+  v1::ReleasePrefixExportResponse released;
+  EXPECT_TRUE(service.ReleasePrefixExport(&context, &release, &released).ok());
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + h.shm_name()));
+  EXPECT_EQ(service.ReleasePrefixExport(&context, &release, &released).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(table.count(), 0);
+  scheduler->Shutdown();
+  // The pins are gone: every block is free or held by the cache alone.
+  EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
 }
 
 }  // namespace

@@ -6,6 +6,9 @@
 // forming shared-memory groups (rank 0's export of the whole prompt against SLP, a rank leaving
 // mid-prefill, groups that never form, cancellation while joining).
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -135,6 +138,33 @@ TEST(ExportTableTest, StaleSegmentsOfThisWorkerAreRemoved) {
   EXPECT_TRUE(std::filesystem::exists(ShmPath(other)));
   EXPECT_TRUE(KvHandoffSegment::Remove(other).ok());
   EXPECT_EQ(RemoveStaleShmExports("hmoe-").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Names that embed their creator's pid (a decode worker's prefix exports): only those of processes
+// that are gone are stale, so two stacks whose workers share an id keep each other's segments.
+TEST(ExportTableTest, OnlySegmentsOfDeadProcessesAreStale) {
+  const std::string base = absl::StrCat("hmoe-test-dead-", ::getpid(), "-");
+  KvHandoffShape shape{2, 4, 2};
+  // A child that has exited and been reaped: its pid names no process (until reused, which the
+  // test cannot rule out but the kernel's pid allocation makes unlikely at once).
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  const std::string live = absl::StrCat(base, ::getpid(), "-1");
+  const std::string dead = absl::StrCat(base, child, "-1");
+  const std::string unnamed = base + "x-1";
+  for (const std::string& name : {live, dead, unnamed}) {
+    ASSERT_TRUE(KvHandoffSegment::Create(name, shape, 1).ok());
+  }
+  auto removed = RemoveShmExportsOfDeadProcesses(base);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 2);
+  EXPECT_TRUE(std::filesystem::exists(ShmPath(live)));
+  EXPECT_FALSE(std::filesystem::exists(ShmPath(dead)));
+  EXPECT_FALSE(std::filesystem::exists(ShmPath(unnamed)));
+  EXPECT_TRUE(KvHandoffSegment::Remove(live).ok());
 }
 
 // ---------------------------------------------------------------------------------- runner

@@ -671,6 +671,8 @@ TEST_F(RouterStackTest, APrefixCacheHitGivesTheTokensOfRecomputingOnEveryPath) {
   add("h3", with(p2, Prompt(5, 13)));
   add("m0", Prompt(40, 14));
   add("m1", Prompt(70, 15));
+  // 700 tokens of p1 (its blocks of 64: 10 whole ones and 60 rows of the 11th) and 300 new ones.
+  add("s1", with(std::vector<int32_t>(p1.begin(), p1.begin() + 700), Prompt(300, 20)));
   EXPECT_EQ(stack->DecodeStatus().prefix_cache_blocks(), 0) << "cache-off requests were cached";
 
   // Chunked first: the second request reuses all 1,000 tokens.
@@ -691,6 +693,16 @@ TEST_F(RouterStackTest, APrefixCacheHitGivesTheTokensOfRecomputingOnEveryPath) {
   EXPECT_EQ(b2.finish.timing().path(), v1::PATH_CHUNKED);
   EXPECT_EQ(b2.finish.usage().cached_prompt_tokens(), 1000);
   EXPECT_EQ(b2.tokens, off["b2"]);
+
+  // A long uncached suffix after a cached prefix goes to a prefill worker, which gets the
+  // prefix's KV (700 tokens) from the decode worker (ExportPrefix) and prefills only the 300 new
+  // tokens.
+  Stream s1 = run("s1", prompts["s1"], v1::PATH_HINT_AUTO, true);
+  EXPECT_EQ(s1.finish.timing().path(), v1::PATH_SLP) << "300 uncached tokens >= 256";
+  EXPECT_EQ(s1.finish.usage().cached_prompt_tokens(), 700);
+  EXPECT_EQ(s1.tokens, off["s1"]);
+  EXPECT_EQ(stack->DecodeStatus().prefix_cache_exports(), 1);
+  EXPECT_EQ(stack->DecodeStatus().prefix_cache_exported_tokens(), 700);
 
   // DSLP first: its ring attention rounds differently, so its KV stays out of the cache; the
   // second request misses and recomputes (on a prefill worker: long, decode active).

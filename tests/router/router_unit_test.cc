@@ -489,10 +489,21 @@ TEST_F(PolicyTest, TheUncachedSuffixChoosesThePath) {
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->path, Path::kChunked);
   EXPECT_EQ(d->decode_worker_id, "decode");
-  in.cached_tokens = {{"decode", 2952}};  // 2048 left: a prefill worker again
+  EXPECT_EQ(d->cached_tokens, 4000);
+  // 2048 left: a prefill worker again. DSLP would recompute the 2,952 cached tokens too (each of
+  // the 2 workers ~2,500 tokens), SLP prefills only the 2,048 after them.
+  in.cached_tokens = {{"decode", 2952}};
+  d = Decide(in);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->path, Path::kSlp);
+  EXPECT_EQ(d->cached_tokens, 2952);
+  // A short prefix (1,000 < (2 - 1) x 4,000 left): DSLP over both, as without a cache.
+  in.cached_tokens = {{"decode", 1000}};
   EXPECT_EQ(Decide(in)->path, Path::kDslp);
   in.cached_tokens = {{"other", 4000}};  // another worker's cache does not count
-  EXPECT_EQ(Decide(in)->path, Path::kDslp);
+  d = Decide(in);
+  EXPECT_EQ(d->path, Path::kDslp);
+  EXPECT_EQ(d->cached_tokens, 0);
 }
 
 // ---------------------------------------------------------------------------------- registry
