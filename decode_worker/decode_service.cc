@@ -229,8 +229,8 @@ grpc::Status DecodeServiceImpl::ExportPrefix(grpc::ServerContext* /*context*/,
   }
   const std::string& id = request->export_id();
   if (!ValidExportId(id)) {
-    return ToGrpcStatus(absl::InvalidArgumentError(
-        "export_id: must be 1 to 128 characters of [A-Za-z0-9_.:-]"));
+    return ToGrpcStatus(
+        absl::InvalidArgumentError("export_id: must be 1 to 128 characters of [A-Za-z0-9_.:-]"));
   }
   const int64_t prompt_tokens = request->prompt_token_ids_size();
   if (request->max_tokens() < 1 || request->max_tokens() >= prompt_tokens) {
@@ -239,8 +239,7 @@ grpc::Status DecodeServiceImpl::ExportPrefix(grpc::ServerContext* /*context*/,
                      prompt_tokens - 1, ")")));
   }
   if (info_.prefix_exports->Contains(id)) {
-    return ToGrpcStatus(
-        absl::AlreadyExistsError(absl::StrCat("export ", id, " is outstanding")));
+    return ToGrpcStatus(absl::AlreadyExistsError(absl::StrCat("export ", id, " is outstanding")));
   }
   const std::span<const int32_t> prompt(request->prompt_token_ids().data(),
                                         static_cast<size_t>(prompt_tokens));
@@ -277,9 +276,9 @@ grpc::Status DecodeServiceImpl::ExportPrefix(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
-grpc::Status DecodeServiceImpl::ReleasePrefixExport(
-    grpc::ServerContext* /*context*/, const v1::ReleasePrefixExportRequest* request,
-    v1::ReleasePrefixExportResponse* /*response*/) {
+grpc::Status DecodeServiceImpl::ReleasePrefixExport(grpc::ServerContext* /*context*/,
+                                                    const v1::ReleasePrefixExportRequest* request,
+                                                    v1::ReleasePrefixExportResponse* /*response*/) {
   if (info_.prefix_exports == nullptr) {
     return ToGrpcStatus(absl::NotFoundError(
         absl::StrCat("export ", request->export_id(), ": this worker exports no prefixes")));

@@ -187,9 +187,9 @@ int64_t ForwardPassStepEngine::CachedPrefixTokens(std::span<const int32_t> promp
   return prefix_->Match(prompt, static_cast<int64_t>(prompt.size()) - 1);
 }
 
-absl::StatusOr<int64_t> ForwardPassStepEngine::ExportPrefix(std::span<const int32_t> prompt,
-                                                            int64_t max_tokens,
-                                                            const PrefixDestination& destination) const {
+absl::StatusOr<int64_t> ForwardPassStepEngine::ExportPrefix(
+    std::span<const int32_t> prompt, int64_t max_tokens,
+    const PrefixDestination& destination) const {
   if (prefix_ == nullptr || max_tokens < 1) return 0;
   auto [blocks, n] = prefix_->Pin(prompt, max_tokens);
   if (n == 0) return 0;

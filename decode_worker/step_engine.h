@@ -117,8 +117,7 @@ class StepEngine {
   // pinned while they are read, on a stream of the call's own, so steps go on meanwhile. Errors
   // of `destination` and of the copy.
   using PrefixDestination = std::function<absl::StatusOr<void*>(int64_t num_tokens)>;
-  virtual absl::StatusOr<int64_t> ExportPrefix(std::span<const int32_t> prompt,
-                                               int64_t max_tokens,
+  virtual absl::StatusOr<int64_t> ExportPrefix(std::span<const int32_t> prompt, int64_t max_tokens,
                                                const PrefixDestination& destination) const {
     (void)prompt;
     (void)max_tokens;

@@ -55,8 +55,8 @@ absl::Status PrefillScheduler::Validate(const PrefillJob& job) const {
     }
     if (job.prefix->num_tokens < 1 || job.prefix->num_tokens >= n) {
       return absl::InvalidArgumentError(
-          absl::StrCat("prefix_kv.num_tokens: ", job.prefix->num_tokens, ", expected 1 to ",
-                       n - 1, " (the prompt has ", n, " tokens)"));
+          absl::StrCat("prefix_kv.num_tokens: ", job.prefix->num_tokens, ", expected 1 to ", n - 1,
+                       " (the prompt has ", n, " tokens)"));
     }
     if (absl::Status s =
             ValidateKvHandleSpec(*job.prefix, HandoffShapeOf(runner_->kv_cache_config()));
@@ -81,8 +81,8 @@ std::unique_ptr<KvImportSource> PrefillScheduler::OpenPrefix(const Job& job) {
     HMOE_LOG(WARNING) << "req=" << job.spec.id << " unlink prefix " << spec.shm_name << ": " << s;
   }
   if (!source.ok()) {
-    HMOE_LOG(WARNING) << "req=" << job.spec.id << " prefix kv " << spec.shm_name
-                      << " unusable (" << source.status() << "); prefilling the whole prompt";
+    HMOE_LOG(WARNING) << "req=" << job.spec.id << " prefix kv " << spec.shm_name << " unusable ("
+                      << source.status() << "); prefilling the whole prompt";
     return nullptr;
   }
   return *std::move(source);
@@ -211,10 +211,9 @@ void PrefillScheduler::ModelLoop() {
     const bool dslp = job->spec.dslp.has_value();
     std::unique_ptr<KvImportSource> prefix;
     if (!dslp && job->spec.prefix.has_value()) prefix = OpenPrefix(*job);
-    absl::StatusOr<SlpResult> ran =
-        dslp ? RunDslpJob(*job, export_name)
-             : runner_->Run(job->spec.prompt, job->spec.sampling, export_name, job->cancel,
-                            prefix.get());
+    absl::StatusOr<SlpResult> ran = dslp ? RunDslpJob(*job, export_name)
+                                         : runner_->Run(job->spec.prompt, job->spec.sampling,
+                                                        export_name, job->cancel, prefix.get());
     prefix.reset();  // unmapped: the decode worker's segment is gone once we unlinked it
     absl::StatusOr<PrefillOutcome> outcome = absl::UnknownError("not run");
     if (!ran.ok()) outcome = ran.status();

@@ -278,8 +278,8 @@ absl::StatusOr<SlpResult> SlpRunner::Run(std::span<const int32_t> prompt,
 
   const int64_t reused = prefix != nullptr ? static_cast<int64_t>(prefix->header().num_tokens) : 0;
   if (reused < 0 || reused >= n) {
-    return absl::InvalidArgumentError(absl::StrCat("prefix_kv: ", reused, " tokens for a prompt of ",
-                                                   n, "; expected fewer"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_kv: ", reused, " tokens for a prompt of ", n, "; expected fewer"));
   }
   const int64_t todo = n - reused;
   SlpResult result;

@@ -90,7 +90,7 @@ struct SlpResult {
   std::unique_ptr<KvExport> kv;
   int64_t prompt_tokens = 0;
   int64_t prefix_tokens = 0;  // taken from Run's `prefix`, not computed
-  int64_t prefill_us = 0;  // start to first token sampled and KV exported
+  int64_t prefill_us = 0;     // start to first token sampled and KV exported
   int64_t export_us = 0;
   int64_t ring_slots = 0;
   StreamingStats streaming;

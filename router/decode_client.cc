@@ -51,8 +51,8 @@ class GrpcDecodeClient : public DecodeClient {
     return response.cached_tokens();
   }
   absl::StatusOr<dv1::KvHandle> ExportPrefix(const std::string& export_id,
-                                             const std::vector<int32_t>& prompt,
-                                             int64_t max_tokens, absl::Time deadline) override {
+                                             const std::vector<int32_t>& prompt, int64_t max_tokens,
+                                             absl::Time deadline) override {
     grpc::ClientContext context;
     if (deadline != absl::InfiniteFuture()) context.set_deadline(absl::ToChronoTime(deadline));
     dv1::ExportPrefixRequest request;

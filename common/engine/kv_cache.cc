@@ -202,8 +202,8 @@ size_t KvCache::ExportBytes(int64_t num_tokens) const {
          sizeof(float);
 }
 
-absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, Stream& stream, void* flat,
-                               MemorySpace space, bool to_flat) {
+absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, Stream& stream,
+                               void* flat, MemorySpace space, bool to_flat) {
   const int64_t rf = config_.row_floats();
   const int64_t bs = config_.block_size;
   const size_t row_bytes = static_cast<size_t>(rf) * sizeof(float);
@@ -213,8 +213,7 @@ absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, St
     // One copy per run of tokens contiguous in a block.
     for (int64_t t0 = 0; t0 < n; t0 += bs) {
       const int64_t count = std::min(bs, n - t0);
-      float* rows =
-          view.base + static_cast<int64_t>(blocks[t0 / bs]) * view.block_stride;
+      float* rows = view.base + static_cast<int64_t>(blocks[t0 / bs]) * view.block_stride;
       std::byte* other = base + static_cast<size_t>(l * n + t0) * row_bytes;
       const size_t bytes = static_cast<size_t>(count) * row_bytes;
       if (space == MemorySpace::kDevice) {
@@ -241,15 +240,15 @@ absl::Status KvCache::Export(const KvSequence& seq, Stream& stream, void* dst,
 
 absl::Status KvCache::ExportBlocks(const std::vector<int32_t>& blocks, int64_t num_tokens,
                                    Stream& stream, void* dst, MemorySpace dst_space) {
-  if (num_tokens < 0 ||
-      num_tokens > static_cast<int64_t>(blocks.size()) * config_.block_size) {
+  if (num_tokens < 0 || num_tokens > static_cast<int64_t>(blocks.size()) * config_.block_size) {
     return absl::InvalidArgumentError(absl::StrCat("kv export: ", num_tokens, " tokens in ",
                                                    blocks.size(), " blocks of ",
                                                    config_.block_size));
   }
   for (const int32_t b : blocks) {
     if (b < 0 || b >= config_.num_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat("kv export: block ", b, " is not in the pool"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv export: block ", b, " is not in the pool"));
     }
   }
   if (num_tokens == 0) return absl::OkStatus();

@@ -51,7 +51,7 @@ struct PrefixCacheStats {
   int64_t copied_tokens = 0;    // of those, copied into a fresh block (copy on write)
   int64_t inserted_blocks = 0;  // nodes added
   int64_t evicted_blocks = 0;   // nodes evicted (budget or pool pressure)
-  int64_t exports = 0;          // Pin calls that pinned >= 1 token (prefixes sent to a prefill worker)
+  int64_t exports = 0;  // Pin calls that pinned >= 1 token (prefixes sent to a prefill worker)
   int64_t exported_tokens = 0;  // tokens they pinned
 };
 
@@ -76,11 +76,12 @@ class PrefixCache {
   absl::StatusOr<int64_t> Acquire(std::span<const int32_t> tokens, int64_t max_tokens,
                                   KvSequence& seq, Stream& stream);
 
-  // The blocks holding the longest cached prefix of `tokens`, at most max_tokens, with one reference
-  // taken on each (release them with KvCache::Release when done), so they are neither evicted nor
-  // reused while the caller reads them (KvCache::ExportBlocks: a decode worker exporting a prefix
-  // to a prefill worker). Returns the blocks and the prefix length (the last block may hold more
-  // rows than that); empty and 0 when nothing matched. Counted as an export, not a lookup.
+  // The blocks holding the longest cached prefix of `tokens`, at most max_tokens, with one
+  // reference taken on each (release them with KvCache::Release when done), so they are neither
+  // evicted nor reused while the caller reads them (KvCache::ExportBlocks: a decode worker
+  // exporting a prefix to a prefill worker). Returns the blocks and the prefix length (the last
+  // block may hold more rows than that); empty and 0 when nothing matched. Counted as an export,
+  // not a lookup.
   std::pair<std::vector<int32_t>, int64_t> Pin(std::span<const int32_t> tokens, int64_t max_tokens);
 
   // Offers `seq`'s first n = min(seq.num_tokens(), tokens.size()) tokens, whose ids are

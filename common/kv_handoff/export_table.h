@@ -42,8 +42,8 @@ class KvExport {
   virtual std::string description() const = 0;
 };
 
-// Takes ownership of the filled shared-memory `segment` (the handle names it): destroying the export
-// unlinks it (a consumer that mapped it keeps its mapping).
+// Takes ownership of the filled shared-memory `segment` (the handle names it): destroying the
+// export unlinks it (a consumer that mapped it keeps its mapping).
 std::unique_ptr<KvExport> NewShmExport(KvHandoffSegment segment, KvHandleSpec spec);
 // The shared-memory segment the handle names (`size_bytes` in all), which this process has filled
 // and no longer maps: destroying the export unlinks the name unless its consumer did already
