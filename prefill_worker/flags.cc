@@ -1,5 +1,7 @@
 #include "prefill_worker/flags.h"
 
+#include <unistd.h>
+
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -86,7 +88,9 @@ absl::Status ReadFlags(WorkerFlags& f) {
         "--export-timeout-seconds must be > 0");
   }
   f.budget_bytes = static_cast<size_t>(device_memory_mb) << 20;
-  so.export_prefix = ExportPrefix(f.common.server.worker_id);
+  // <hmoe-kv-<id>-><pid>-<n>: the pid tells a dead incarnation's segments from those of a live
+  // process with the same worker id (another stack on this machine).
+  so.export_prefix = absl::StrCat(ExportPrefix(f.common.server.worker_id), ::getpid(), "-");
   so.dslp_ep_mode = *ep_mode;
   so.dslp_join.join_timeout = absl::Seconds(join_timeout);
   so.dslp_join.peer_timeout = absl::Seconds(peer_timeout);

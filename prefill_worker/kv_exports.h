@@ -32,6 +32,7 @@ namespace hmoe::prefill {
 
 using ::hmoe::ExportTable;
 using ::hmoe::KvExport;
+using ::hmoe::RemoveShmExportsOfDeadProcesses;
 using ::hmoe::RemoveStaleShmExports;
 
 // The KV hand-off shape of `config` (F32, layout kKvHandoffLayoutVersion).

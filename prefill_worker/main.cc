@@ -53,12 +53,13 @@ absl::Status Run(process::StopSignalWatcher& signals) {
   const SlpRunnerOptions& ro = flags.runner;
   const PrefillSchedulerOptions& so = flags.scheduler;
 
-  // --- exports left by a previous incarnation with this worker id, and shared-memory DSLP groups
-  // whose ranks all died before the group formed
-  if (absl::StatusOr<int> stale = RemoveStaleShmExports(so.export_prefix); !stale.ok()) {
+  // --- exports left by a previous incarnation with this worker id (its process is gone), and
+  // shared-memory DSLP groups whose ranks all died before the group formed
+  const std::string stale_prefix = ExportPrefix(flags.common.server.worker_id);
+  if (absl::StatusOr<int> stale = RemoveShmExportsOfDeadProcesses(stale_prefix); !stale.ok()) {
     HMOE_LOG(WARNING) << "stale kv exports: " << stale.status();
   } else if (*stale > 0) {
-    HMOE_LOG(INFO) << "removed " << *stale << " stale kv export(s) " << so.export_prefix << "*";
+    HMOE_LOG(INFO) << "removed " << *stale << " stale kv export(s) " << stale_prefix << "*";
   }
   if (absl::StatusOr<int> stale = RemoveStaleShmGroups(); !stale.ok()) {
     HMOE_LOG(WARNING) << "stale dslp groups: " << stale.status();

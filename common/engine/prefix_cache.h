@@ -51,7 +51,7 @@ struct PrefixCacheStats {
   int64_t copied_tokens = 0;    // of those, copied into a fresh block (copy on write)
   int64_t inserted_blocks = 0;  // nodes added
   int64_t evicted_blocks = 0;   // nodes evicted (budget or pool pressure)
-  int64_t exports = 0;  // Pin calls that pinned >= 1 token (prefixes sent to a prefill worker)
+  int64_t exports = 0;          // prefixes pinned for a prefill worker (Pin, >= 1 token)
   int64_t exported_tokens = 0;  // tokens they pinned
 };
 
