@@ -1,6 +1,7 @@
 #include "router/router.h"
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -418,12 +419,22 @@ absl::StatusOr<RouteDecision> Router::Route(const std::vector<int32_t>& prompt,
 std::map<std::string, int64_t> Router::CachedPrefixes(const std::vector<int32_t>& prompt,
                                                       const std::vector<WorkerView>& workers) {
   std::map<std::string, int64_t> out;
-  // A worker that does not answer quickly holds nothing as far as routing goes.
+  // A worker that does not answer quickly holds nothing as far as routing goes. The workers are
+  // asked at once, so a slow one costs the deadline once, not once per worker.
   const absl::Time deadline = absl::Now() + options_.prefix_match_timeout;
-  for (const WorkerView& w : workers) {
-    absl::StatusOr<int64_t> n = decode_clients_->ForEndpoint(w.identity.endpoint, w.incarnation)
-                                    ->MatchPrefix(prompt, deadline);
-    if (n.ok() && *n > 0) out[w.identity.worker_id] = *n;
+  std::vector<absl::StatusOr<int64_t>> answers(workers.size(), int64_t{0});
+  auto ask = [&](size_t i) {
+    const WorkerView& w = workers[i];
+    answers[i] = decode_clients_->ForEndpoint(w.identity.endpoint, w.incarnation)
+                     ->MatchPrefix(prompt, deadline);
+  };
+  {
+    std::vector<std::jthread> others;
+    for (size_t i = 1; i < workers.size(); ++i) others.emplace_back(ask, i);
+    if (!workers.empty()) ask(0);
+  }  // joins
+  for (size_t i = 0; i < workers.size(); ++i) {
+    if (answers[i].ok() && *answers[i] > 0) out[workers[i].identity.worker_id] = *answers[i];
   }
   return out;
 }
