@@ -1,27 +1,16 @@
 #pragma once
 
 // The prefill worker's side of the KV hand-off (common/kv_handoff/kv_handoff.h): a prompt's KV
-// cache copied into an exportable buffer, and the table of the buffers the worker still owns.
-//
-// The worker owns every export until someone releases it: the router calls Release once the
-// decode worker has acknowledged the import (hmoe.decode.v1.KvImported), and an export nobody
-// releases within the export timeout is freed anyway — so a decode worker (or router) that dies
-// mid-import leaks nothing. Exports are also freed when the table is destroyed (worker
-// shutdown), and RemoveStaleShmExports cleans up after a previous incarnation that crashed.
+// cache copied into an exportable buffer (shared memory or a CUDA IPC buffer). The worker's
+// ExportTable (common/kv_handoff/export_table.h) owns every export until the router releases it
+// (once the decode worker has acknowledged the import, hmoe.decode.v1.KvImported) or the export
+// timeout frees it, so a decode worker (or router) that dies mid-import leaks nothing; at start-up
+// RemoveShmExportsOfDeadProcesses cleans up after a previous incarnation that crashed.
 
-#include <cstddef>
-#include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
-#include <string_view>
-#include <thread>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 
 #include "common/device/device.h"
 #include "common/engine/kv_cache.h"
