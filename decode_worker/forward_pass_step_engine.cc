@@ -127,7 +127,7 @@ absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewSequence
 }
 
 absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewImportedSequence(
-    int64_t reserve_tokens, const KvImportSource& source) {
+    int64_t reserve_tokens, const KvImportSource& source, std::span<const int32_t> prompt) {
   const auto num_tokens = static_cast<int64_t>(source.header().num_tokens);
   if (num_tokens > reserve_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -138,17 +138,34 @@ absl::StatusOr<std::unique_ptr<StepSequence>> ForwardPassStepEngine::NewImported
                                                    source.payload().size(), " bytes, need ",
                                                    kv_->ExportBytes(num_tokens)));
   }
-  // All or nothing: the engine thread is the pool's only allocator, so the check holds.
-  const int64_t blocks = CeilDiv(reserve_tokens, kv_->config().block_size);
-  if (prefix_ != nullptr) prefix_->EvictForFree(blocks);
-  if (blocks > kv_->num_free_blocks()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("kv cache: ", blocks, " blocks needed, ", kv_->num_free_blocks(), " free"));
+  const MemorySpace space = source.payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost;
+  const int64_t block_size = kv_->config().block_size;
+  const int64_t blocks = CeilDiv(reserve_tokens, block_size);
+  const bool share = prefix_ != nullptr && static_cast<int64_t>(prompt.size()) == num_tokens;
+  // Blocks of a cached prefix are shared, not allocated. Without side effects first: a request
+  // that cannot get its blocks now waits (FIFO) and must not count a lookup at every retry.
+  const int64_t shared = share ? prefix_->Match(prompt, num_tokens) / block_size : 0;
+  if (blocks - shared > kv_blocks_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: ", blocks - shared, " blocks needed, ", kv_blocks_free(), " free or evictable"));
   }
   KvSequence seq = kv_->NewSequence();
-  HMOE_RETURN_IF_ERROR(
-      kv_->Import(seq, num_tokens, *import_stream_, source.payload().data(),
-                  source.payload_on_device() ? MemorySpace::kDevice : MemorySpace::kHost));
+  if (share) {
+    HMOE_RETURN_IF_ERROR(prefix_->Acquire(prompt, num_tokens, seq, *import_stream_).status());
+  }
+  // The prefix is in use now, so this evicts other leaves only.
+  if (prefix_ != nullptr) {
+    prefix_->EvictForFree(blocks - static_cast<int64_t>(seq.block_table().size()));
+  }
+  if (seq.num_tokens() == num_tokens) {
+    // Every token cached (the prefill worker's prompt was an earlier prompt plus nothing new).
+  } else if (seq.num_tokens() > 0) {
+    HMOE_RETURN_IF_ERROR(
+        kv_->ImportSuffix(seq, num_tokens, *import_stream_, source.payload().data(), space));
+  } else {
+    HMOE_RETURN_IF_ERROR(
+        kv_->Import(seq, num_tokens, *import_stream_, source.payload().data(), space));
+  }
   HMOE_RETURN_IF_ERROR(import_stream_->Synchronize());
   HMOE_RETURN_IF_ERROR(seq.Reserve(reserve_tokens));
   return std::unique_ptr<StepSequence>(new EngineSequence(std::move(seq), prefix_.get()));

@@ -65,7 +65,8 @@ class ForwardPassStepEngine final : public StepEngine {
 
   absl::StatusOr<std::unique_ptr<StepSequence>> NewSequence(int64_t reserve_tokens) override;
   absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
-      int64_t reserve_tokens, const KvImportSource& source) override;
+      int64_t reserve_tokens, const KvImportSource& source,
+      std::span<const int32_t> prompt) override;
   absl::StatusOr<std::unique_ptr<StepSequence>> NewSequenceFromPrefix(
       int64_t reserve_tokens, std::span<const int32_t> prompt) override;
   void OfferPrefix(const StepSequence& sequence, std::span<const int32_t> tokens,

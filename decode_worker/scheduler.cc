@@ -315,7 +315,11 @@ void Scheduler::AdmitWaiting() {
     const int64_t reserve = a.request.prompt_tokens() + a.request.sampling.max_new_tokens;
     const absl::Time t0 = absl::Now();
     absl::StatusOr<std::unique_ptr<StepSequence>> seq =
-        a.request.kv != nullptr      ? engine_.NewImportedSequence(reserve, *a.request.kv)
+        a.request.kv != nullptr
+            ? engine_.NewImportedSequence(reserve, *a.request.kv,
+                                          a.request.kv_cacheable && a.request.use_prefix_cache
+                                              ? std::span<const int32_t>(a.request.prompt)
+                                              : std::span<const int32_t>())
         : a.request.use_prefix_cache ? engine_.NewSequenceFromPrefix(reserve, a.request.prompt)
                                      : engine_.NewSequence(reserve);
     if (absl::IsResourceExhausted(seq.status())) break;  // FIFO: wait for blocks to free up

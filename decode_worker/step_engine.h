@@ -83,9 +83,13 @@ class StepEngine {
   // As NewSequence, but the sequence starts with the header().num_tokens (<= reserve_tokens)
   // tokens of the hand-off `source` (its header was validated against kv_handoff_shape()), copied
   // into its blocks. ResourceExhausted (nothing reserved) when the pool cannot hold
-  // reserve_tokens.
+  // reserve_tokens. `prompt`: the ids of those tokens when their KV may be shared with the prefix
+  // cache (empty: it may not): the longest cached prefix of them is then taken from the cache (its
+  // blocks shared as NewSequenceFromPrefix does) and only the rest is copied from `source` — which
+  // a prefill worker computed against that very prefix (PrefillRequest.prefix_kv) or, with an
+  // exact import, computes bit for bit as the cache holds it.
   virtual absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
-      int64_t reserve_tokens, const KvImportSource& source) = 0;
+      int64_t reserve_tokens, const KvImportSource& source, std::span<const int32_t> prompt) = 0;
 
   // Prefix cache (common/engine/prefix_cache.h). An engine without one reuses nothing (these
   // defaults).

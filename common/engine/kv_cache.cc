@@ -202,8 +202,8 @@ size_t KvCache::ExportBytes(int64_t num_tokens) const {
          sizeof(float);
 }
 
-absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, Stream& stream,
-                               void* flat, MemorySpace space, bool to_flat) {
+absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t first, int64_t n,
+                               Stream& stream, void* flat, MemorySpace space, bool to_flat) {
   const int64_t rf = config_.row_floats();
   const int64_t bs = config_.block_size;
   const size_t row_bytes = static_cast<size_t>(rf) * sizeof(float);
@@ -211,9 +211,10 @@ absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, St
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     const KvLayerView view = layer_view(l);
     // One copy per run of tokens contiguous in a block.
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const int64_t count = std::min(bs, n - t0);
-      float* rows = view.base + static_cast<int64_t>(blocks[t0 / bs]) * view.block_stride;
+    for (int64_t t0 = first; t0 < n;) {
+      const int64_t count = std::min(bs - t0 % bs, n - t0);
+      float* rows =
+          view.base + static_cast<int64_t>(blocks[t0 / bs]) * view.block_stride + (t0 % bs) * rf;
       std::byte* other = base + static_cast<size_t>(l * n + t0) * row_bytes;
       const size_t bytes = static_cast<size_t>(count) * row_bytes;
       if (space == MemorySpace::kDevice) {
@@ -223,6 +224,7 @@ absl::Status KvCache::CopyRows(const std::vector<int32_t>& blocks, int64_t n, St
         HMOE_RETURN_IF_ERROR(to_flat ? device_->CopyToHost(stream, other, rows, bytes)
                                      : device_->CopyToDevice(stream, rows, other, bytes));
       }
+      t0 += count;
     }
   }
   return absl::OkStatus();
@@ -235,7 +237,7 @@ absl::Status KvCache::Export(const KvSequence& seq, Stream& stream, void* dst,
   }
   if (seq.num_tokens() == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("kv export: null destination");
-  return CopyRows(seq.block_table(), seq.num_tokens(), stream, dst, dst_space, /*to_flat=*/true);
+  return CopyRows(seq.block_table(), 0, seq.num_tokens(), stream, dst, dst_space, /*to_flat=*/true);
 }
 
 absl::Status KvCache::ExportBlocks(const std::vector<int32_t>& blocks, int64_t num_tokens,
@@ -253,7 +255,7 @@ absl::Status KvCache::ExportBlocks(const std::vector<int32_t>& blocks, int64_t n
   }
   if (num_tokens == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("kv export: null destination");
-  return CopyRows(blocks, num_tokens, stream, dst, dst_space, /*to_flat=*/true);
+  return CopyRows(blocks, 0, num_tokens, stream, dst, dst_space, /*to_flat=*/true);
 }
 
 absl::Status KvCache::Import(KvSequence& seq, int64_t num_tokens, Stream& stream, const void* src,
@@ -270,12 +272,29 @@ absl::Status KvCache::Import(KvSequence& seq, int64_t num_tokens, Stream& stream
   if (num_tokens == 0) return absl::OkStatus();
   HMOE_RETURN_IF_ERROR(seq.Reserve(num_tokens));
   absl::Status copied =
-      CopyRows(seq.block_table(), num_tokens, stream, const_cast<void*>(src), src_space,
+      CopyRows(seq.block_table(), 0, num_tokens, stream, const_cast<void*>(src), src_space,
                /*to_flat=*/false);
   if (!copied.ok()) {
     seq.Reset();
     return copied;
   }
+  seq.SetNumTokens(num_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::ImportSuffix(KvSequence& seq, int64_t num_tokens, Stream& stream,
+                                   const void* src, MemorySpace src_space) {
+  if (seq.cache() != this) {
+    return absl::InvalidArgumentError("kv import: the sequence belongs to another cache");
+  }
+  const int64_t first = seq.num_tokens();
+  if (num_tokens <= first || src == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv import: ", num_tokens, " tokens into a sequence holding ", first));
+  }
+  HMOE_RETURN_IF_ERROR(seq.Reserve(num_tokens));
+  HMOE_RETURN_IF_ERROR(CopyRows(seq.block_table(), first, num_tokens, stream,
+                                const_cast<void*>(src), src_space, /*to_flat=*/false));
   seq.SetNumTokens(num_tokens);
   return absl::OkStatus();
 }

@@ -158,6 +158,13 @@ class KvCache {
   // not empty; InvalidArgument when it belongs to another cache.
   absl::Status Import(KvSequence& seq, int64_t num_tokens, Stream& stream, const void* src,
                       MemorySpace src_space);
+  // As Import, but `seq` already holds its first seq.num_tokens() tokens (a cached prefix it
+  // shares, KvSequence::AdoptBlocks): only tokens seq.num_tokens() .. num_tokens - 1 are read from
+  // `src`, which holds all num_tokens tokens in the hand-off format. ResourceExhausted when the
+  // blocks do not fit (`seq` unchanged); InvalidArgument when seq holds num_tokens or more; after
+  // a failed copy `seq` holds its prefix and the reserved blocks (discard it).
+  absl::Status ImportSuffix(KvSequence& seq, int64_t num_tokens, Stream& stream, const void* src,
+                            MemorySpace src_space);
 
  private:
   friend class KvSequence;
@@ -167,8 +174,9 @@ class KvCache {
   absl::Status AllocateBlocks(int64_t count, std::vector<int32_t>* out);
   void FreeBlocks(const std::vector<int32_t>& blocks);
   // Copies the rows of `seq`'s tokens [0, n) of every layer to/from a hand-off buffer.
-  absl::Status CopyRows(const std::vector<int32_t>& blocks, int64_t n, Stream& stream, void* flat,
-                        MemorySpace space, bool to_flat);
+  // Copies tokens [first, n) between `blocks` and the flat hand-off buffer of n tokens per layer.
+  absl::Status CopyRows(const std::vector<int32_t>& blocks, int64_t first, int64_t n,
+                        Stream& stream, void* flat, MemorySpace space, bool to_flat);
 
   Device* device_;
   KvCacheConfig config_;

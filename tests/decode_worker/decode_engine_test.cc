@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <memory>
@@ -78,8 +79,9 @@ class GatedStepEngine final : public StepEngine {
     return inner_.NewSequence(reserve_tokens);
   }
   absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
-      int64_t reserve_tokens, const KvImportSource& source) override {
-    return inner_.NewImportedSequence(reserve_tokens, source);
+      int64_t reserve_tokens, const KvImportSource& source,
+      std::span<const int32_t> prompt) override {
+    return inner_.NewImportedSequence(reserve_tokens, source, prompt);
   }
   absl::StatusOr<std::unique_ptr<StepSequence>> NewSequenceFromPrefix(
       int64_t reserve_tokens, std::span<const int32_t> prompt) override {
@@ -571,6 +573,84 @@ TEST_F(PrefixCacheEngineTest, ARequestCanOptOutAndCachedBlocksGiveWay) {
   Result big = run(Greedy("big", Prompt(480, 62), kNew));
   ASSERT_EQ(big.finish.reason, FinishReason::kLength) << big.finish.error;
   EXPECT_EQ(big.tokens, Expected(Prompt(480, 62)));
+}
+
+// A KV hand-off whose prompt starts with a cached prefix (a prefill worker that prefilled only the
+// suffix): the sequence shares the cached blocks and copies only the suffix's rows from the
+// hand-off, and the request continues exactly as one that prefilled its prompt here. The
+// hand-off comes from a second engine that ran the same prompt (ExportPrefix of it whole).
+TEST_F(PrefixCacheEngineTest, AnImportedPromptSharesTheCachedPrefixAndCopiesOnlyTheRest) {
+  const std::vector<int32_t> prefix = Prompt(200, 31);
+  const std::vector<int32_t> a = Concat(prefix, Prompt(4, 1));
+  const std::vector<int32_t> b = Concat(prefix, Prompt(90, 2));  // 290 tokens
+  // The "prefill worker": b run whole on another engine, then its KV exported.
+  std::unique_ptr<ForwardPassStepEngine> other = MakeEngine(6, 64, 512, 512);
+  ASSERT_NE(other, nullptr);
+  std::vector<int32_t> want;
+  std::vector<std::byte> kv;
+  {
+    std::unique_ptr<Scheduler> s = Start(*other);
+    ASSERT_NE(s, nullptr);
+    auto ch = s->Submit(Greedy("b-whole", b, kNew));
+    ASSERT_TRUE(ch.ok()) << ch.status();
+    want = Collect(**ch).tokens;
+    ASSERT_EQ(want.size(), static_cast<size_t>(kNew));
+    const std::vector<int32_t> probe = Concat(b, {7});  // b's KV is cached: export all 290 rows
+    auto n = other->ExportPrefix(probe, static_cast<int64_t>(b.size()),
+                                 [&](int64_t tokens) -> absl::StatusOr<void*> {
+                                   kv.resize(other->kv_cache().ExportBytes(tokens));
+                                   return static_cast<void*>(kv.data());
+                                 });
+    ASSERT_TRUE(n.ok()) << n.status();
+    ASSERT_EQ(*n, static_cast<int64_t>(b.size()));
+  }
+  std::unique_ptr<ForwardPassStepEngine> engine = MakeEngine(6, 64, 512, 512);
+  ASSERT_NE(engine, nullptr);
+  std::unique_ptr<Scheduler> scheduler = Start(*engine);
+  ASSERT_NE(scheduler, nullptr);
+  auto ch = scheduler->Submit(Greedy("a", a, kNew));  // caches the 200-token prefix
+  ASSERT_TRUE(ch.ok()) << ch.status();
+  ASSERT_EQ(Collect(**ch).finish.reason, FinishReason::kLength);
+  const PrefixCacheStats before = scheduler->stats().prefix_cache;
+
+  for (const bool cacheable : {true, false}) {
+    SCOPED_TRACE(cacheable ? "cacheable" : "not cacheable");
+    const std::string name = absl::StrCat("hmoe-test-decode-share-", ::getpid(), cacheable);
+    {
+      auto seg = KvHandoffSegment::Create(name, engine->kv_handoff_shape(),
+                                          static_cast<int64_t>(b.size()));
+      ASSERT_TRUE(seg.ok()) << seg.status();
+      std::memcpy(seg->payload().data(), kv.data(), kv.size());
+    }
+    KvHandleSpec spec;
+    spec.shm_name = name;
+    spec.num_tokens = static_cast<int64_t>(b.size());
+    spec.layout_version = kKvHandoffLayoutVersion;
+    auto source = NewShmKvImporter()->Open(spec, engine->kv_handoff_shape());
+    ASSERT_TRUE(source.ok()) << source.status();
+    ASSERT_TRUE(KvHandoffSegment::Remove(name).ok());
+    PoisonFreeBlocks(*engine);
+    GenerationRequest r;
+    r.id = absl::StrCat("b-import-", cacheable);
+    r.prompt = b;
+    r.kv = *std::move(source);
+    r.kv_num_tokens = static_cast<int64_t>(b.size());
+    r.kv_cacheable = cacheable;
+    r.first_token = want[0];
+    r.sampling.max_new_tokens = kNew;
+    r.sampling.ignore_eos = true;
+    auto imported = scheduler->Submit(std::move(r));
+    ASSERT_TRUE(imported.ok()) << imported.status();
+    Result res = Collect(**imported);
+    ASSERT_EQ(res.finish.reason, FinishReason::kLength) << res.finish.error;
+    EXPECT_EQ(res.tokens, std::vector<int32_t>(want.begin() + 1, want.end()));
+  }
+  const PrefixCacheStats after = scheduler->stats().prefix_cache;
+  // Only the cacheable import looked the prompt up, and reused the 200 cached tokens.
+  EXPECT_EQ(after.lookups - before.lookups, 1);
+  EXPECT_EQ(after.hit_tokens - before.hit_tokens, 200);
+  scheduler->Shutdown();
+  EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
 }
 
 // ExportPrefix (a decode worker handing a cached prefix to a prefill worker): the RPC copies the

@@ -140,7 +140,9 @@ class FakeStepEngine final : public StepEngine {
   }
 
   absl::StatusOr<std::unique_ptr<StepSequence>> NewImportedSequence(
-      int64_t reserve_tokens, const KvImportSource& source) override {
+      int64_t reserve_tokens, const KvImportSource& source,
+      std::span<const int32_t> prompt) override {
+    (void)prompt;  // the fake has no prefix cache
     const int64_t n = static_cast<int64_t>(source.header().num_tokens);
     if (n > reserve_tokens) return absl::InvalidArgumentError("fake: import beyond reservation");
     if (source.payload().size() < static_cast<size_t>(n) * sizeof(float)) {
