@@ -649,6 +649,17 @@ TEST_F(PrefixCacheEngineTest, AnImportedPromptSharesTheCachedPrefixAndCopiesOnly
   // Only the cacheable import looked the prompt up, and reused the 200 cached tokens.
   EXPECT_EQ(after.lookups - before.lookups, 1);
   EXPECT_EQ(after.hit_tokens - before.hit_tokens, 200);
+  // The cacheable request's KV joined the cache when it finished: all 290 rows of b, exported
+  // again, are the hand-off's bytes (the greedy tokens of `tiny` alone barely notice a wrong row).
+  std::vector<std::byte> again;
+  auto n = engine->ExportPrefix(Concat(b, {7}), static_cast<int64_t>(b.size()),
+                                [&](int64_t tokens) -> absl::StatusOr<void*> {
+                                  again.resize(engine->kv_cache().ExportBytes(tokens));
+                                  return static_cast<void*>(again.data());
+                                });
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, static_cast<int64_t>(b.size()));
+  EXPECT_TRUE(again == kv) << "the shared prefix plus the imported suffix are not b's KV";
   scheduler->Shutdown();
   EXPECT_EQ(engine->kv_blocks_free(), engine->kv_blocks_total());
 }
