@@ -36,15 +36,7 @@ cleanup() {
   rm -rf "$DEPLOY"
 }
 trap cleanup EXIT
-"$HMOE" deploy --model "$MODEL" --out "$DEPLOY" --run-dir "$DEPLOY/run" \
-  --instance "calibrate-$$" --listen "127.0.0.1:$PORT" --http-listen= --prefill-workers "$PREFILL" \
-  --bin-dir "$BUILD" --weightd-args="--remove-on-exit" \
-  --decode-args="--pin-threads=false ${HMOE_DECODE_ARGS:-}" \
-  --prefill-args="${HMOE_PREFILL_ARGS:-}" >/dev/null
-supervisord -c "$CONF"
-wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$DEPLOY/logs" 'weightd|decode|router' \
-  'PREFILL +LIVE'
-# The prefill worker registers before the decode worker may have: wait for both.
-wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$DEPLOY/logs" 'weightd|decode|router'
+start_stack "$HMOE" "$BUILD" "$MODEL" "$DEPLOY" "$PORT" "$PREFILL" "calibrate-$$" \
+  "${HMOE_DECODE_ARGS:-}" "${HMOE_PREFILL_ARGS:-}"
 "$HMOE" status --addr "127.0.0.1:$PORT"
 "$HMOE" calibrate --addr "127.0.0.1:$PORT" --calibration "$OUT" --timeout-s 3600 "$@"

@@ -5,6 +5,7 @@
 //   hmoe health --addr ... [--service NAME] [--wait-s S]
 //   hmoe load --addr ... --duration-s 60 --concurrency 4 --log requests.tsv   (scripts/soak.sh)
 //   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
+//       [--calibration FILE]   (the router thresholds `hmoe calibrate` wrote)
 //   hmoe http-bench --addr ... --http-addr 127.0.0.1:8000 --samples 200 --streams 64
 //       (scripts/http_bench.sh: TTFT over HTTP vs gRPC, concurrent SSE streams)
 //   hmoe bench --addr ... [--rate R | --arrival closed --concurrency C] [--scenario all] --json F
