@@ -32,15 +32,7 @@ cleanup() {
   rm -rf "$DEPLOY"
 }
 trap cleanup EXIT
-"$HMOE" deploy --model "$MODEL" --out "$DEPLOY" --run-dir "$DEPLOY/run" \
-  --instance "bench-$$" --listen "127.0.0.1:$PORT" --http-listen= --prefill-workers "$PREFILL" \
-  --bin-dir "$BUILD" --weightd-args="--remove-on-exit" \
-  --decode-args="--pin-threads=false ${HMOE_DECODE_ARGS:-}" >/dev/null
-supervisord -c "$CONF"
-need='DECODE +LIVE'
-[[ "$PREFILL" -gt 0 ]] && need='PREFILL +LIVE'
-wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$DEPLOY/logs" 'weightd|decode|router' "$need"
-# The prefill worker registers before the decode worker may have: wait for both.
-wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$DEPLOY/logs" 'weightd|decode|router'
+start_stack "$HMOE" "$BUILD" "$MODEL" "$DEPLOY" "$PORT" "$PREFILL" "bench-$$" \
+  "${HMOE_DECODE_ARGS:-}"
 "$HMOE" status --addr "127.0.0.1:$PORT"
 "$HMOE" bench --addr "127.0.0.1:$PORT" --scenario all --json "$OUT" --timeout-s 3600 "$@"

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <system_error>
 #include <thread>
 
@@ -174,6 +175,14 @@ absl::StatusOr<DeployOptions> Resolve(DeployOptions o) {
                      longest.size(), " bytes for ", longest, "; at most ", kMaxSocketPathBytes - 4,
                      "); give a shorter --run-dir"));
   }
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  if (o.chunk_threshold < 0 || o.chunk_threshold > kIntMax || o.decode_idle_window_s < -1 ||
+      o.decode_idle_window_s > kIntMax) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router thresholds out of range: chunk threshold ", o.chunk_threshold,
+                     " (want 1 to 2^31-1, or 0 for the default), DSLP idle window ",
+                     o.decode_idle_window_s, " s (want 0 to 2^31-1, or -1 for the default)"));
+  }
   HMOE_RETURN_IF_ERROR(CheckArgs("--weightd-args", o.weightd_args));
   HMOE_RETURN_IF_ERROR(CheckArgs("--prefill-args", o.prefill_args));
   HMOE_RETURN_IF_ERROR(CheckArgs("--decode-args", o.decode_args));
@@ -269,6 +278,11 @@ std::string RenderSupervisordConf(const DeployOptions& o) {
                                      Socket(o, "router"), "--drain-seconds", drain};
   if (!o.dslp_ep_mode.empty()) router.push_back("--dslp-ep-mode=" + o.dslp_ep_mode);
   if (!o.http_listen.empty()) router.push_back("--http-listen=" + o.http_listen);
+  if (o.chunk_threshold > 0)
+    router.push_back(absl::StrCat("--chunk-threshold=", o.chunk_threshold));
+  if (o.decode_idle_window_s >= 0) {
+    router.push_back(absl::StrCat("--decode-idle-window-s=", o.decode_idle_window_s));
+  }
   router.insert(router.end(), o.router_args.begin(), o.router_args.end());
   AppendProgram(&out, o, "router", 40, Join(router), "");
   return out;

@@ -16,6 +16,7 @@
 // Sockets (the router's registry, the workers' services, supervisord's control socket) live in
 // the run directory, created 0700.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,12 @@ struct DeployOptions {
   // How long a worker waits for weightd to finish loading before it gives up (and supervisord
   // restarts it).
   int weightd_wait_seconds = 3600;
+  // The router's thresholds from a calibration file (`hmoe calibrate`, `hmoe deploy
+  // --calibration`):
+  // --chunk-threshold when > 0 and --decode-idle-window-s when >= 0; otherwise the router's
+  // defaults. router_args come after them (and win).
+  int64_t chunk_threshold = 0;
+  int64_t decode_idle_window_s = -1;
   // Extra flags per program, appended to the rendered ones (e.g. "--threads 4").
   std::vector<std::string> weightd_args;
   std::vector<std::string> prefill_args;

@@ -5,10 +5,13 @@
 //   hmoe health --addr ... [--service NAME] [--wait-s S]
 //   hmoe load --addr ... --duration-s 60 --concurrency 4 --log requests.tsv   (scripts/soak.sh)
 //   hmoe deploy --model DIR --out DIR [--gpus N] [--prefill-workers N] [--listen ADDR] ...
+//       [--calibration FILE]   (the router thresholds `hmoe calibrate` wrote)
 //   hmoe http-bench --addr ... --http-addr 127.0.0.1:8000 --samples 200 --streams 64
 //       (scripts/http_bench.sh: TTFT over HTTP vs gRPC, concurrent SSE streams)
 //   hmoe bench --addr ... [--rate R | --arrival closed --concurrency C] [--scenario all] --json F
 //     (docs/bench.md; the command lives in tools/bench/)
+//   hmoe calibrate --addr ... --calibration node.json [--lengths 64,128,...] [--batch-sizes 1,2,4]
+//     (docs/bench.md "Calibration"; then hmoe deploy ... --calibration node.json)
 // Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
 // tokenizer) to stdout, then prints the finish reason, usage and timing (queue, TTFT, TPOT, path)
 // on stderr. `health` works against any gRPC server with the standard health service (router,
@@ -54,6 +57,8 @@
 #include "proto/health.grpc.pb.h"
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "tools/bench/bench_command.h"
+#include "tools/bench/calibrate_command.h"
+#include "tools/bench/calibration.h"
 #include "tools/deploy_config.h"
 
 #include <nlohmann/json.hpp>
@@ -102,6 +107,9 @@ ABSL_FLAG(std::string, weightd_args, "", "deploy: extra hmoe-weightd flags (spac
 ABSL_FLAG(std::string, prefill_args, "", "deploy: extra hmoe-prefill-worker flags");
 ABSL_FLAG(std::string, decode_args, "", "deploy: extra hmoe-decode-worker flags");
 ABSL_FLAG(std::string, router_args, "", "deploy: extra hmoe-router flags");
+ABSL_FLAG(std::string, calibration, "",
+          "calibrate: the calibration file to write; deploy: a file `hmoe calibrate` wrote, whose "
+          "thresholds go to the router (--chunk-threshold, --decode-idle-window-s)");
 ABSL_FLAG(std::string, dslp_ep_mode, "",
           "deploy: DSLP expert parallelism across the prefill workers: standard or small_ep "
           "(default: the workers' default, small_ep)");
@@ -188,6 +196,15 @@ int Deploy(const char* argv0) {
   o.router_args = SplitArgs(absl::GetFlag(FLAGS_router_args));
   o.dslp_ep_mode = absl::GetFlag(FLAGS_dslp_ep_mode);
   o.cpus = absl::GetFlag(FLAGS_cpus);
+  if (const std::string file = absl::GetFlag(FLAGS_calibration); !file.empty()) {
+    const absl::StatusOr<hmoe::bench::RouterThresholds> t = hmoe::bench::ReadCalibrationFile(file);
+    if (!t.ok()) {
+      std::cerr << "deploy: --calibration: " << t.status().message() << "\n";
+      return 2;
+    }
+    o.chunk_threshold = t->chunk_threshold_tokens;
+    o.decode_idle_window_s = t->decode_idle_window_s;
+  }
   std::vector<std::string> search;
   if (!absl::GetFlag(FLAGS_bin_dir).empty()) {
     search.push_back(absl::GetFlag(FLAGS_bin_dir));
@@ -206,8 +223,13 @@ int Deploy(const char* argv0) {
   const std::string conf = written->out_dir + "/supervisord.conf";
   std::cout << "wrote " << conf << " (weightd, " << written->prefill_workers
             << " prefill worker(s), decode worker, router on " << written->listen
-            << (written->http_listen.empty() ? "" : " and http://" + written->http_listen) << ")\n"
-            << "  start:   supervisord -c " << conf << "\n"
+            << (written->http_listen.empty() ? "" : " and http://" + written->http_listen) << ")\n";
+  if (written->chunk_threshold > 0) {
+    std::cout << "  router thresholds from " << absl::GetFlag(FLAGS_calibration)
+              << ": --chunk-threshold=" << written->chunk_threshold
+              << " --decode-idle-window-s=" << written->decode_idle_window_s << "\n";
+  }
+  std::cout << "  start:   supervisord -c " << conf << "\n"
             << "  status:  supervisorctl -c " << conf << " status\n"
             << "  stop:    supervisorctl -c " << conf << " shutdown\n"
             << "  logs:    " << written->log_dir << "/\n";
@@ -732,20 +754,20 @@ int main(int argc, char** argv) {
     fixed.push_back(a.data());
   }
   hmoe::SetUsage(
-      "hmoe generate|status|health|load|http-bench --addr HOST:PORT [--prompt TEXT | --prompt-ids "
-      "hmoe generate|status|health|load|bench --addr HOST:PORT [--prompt TEXT | --prompt-ids "
-      "1,2,3] "
-      "[--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR [--gpus N] "
-      "[--prefill-workers N]");
+      "hmoe generate|status|health|load|bench|calibrate|http-bench --addr HOST:PORT [--prompt "
+      "TEXT | --prompt-ids 1,2,3] [--max-new-tokens N]\n       hmoe deploy --model DIR --out DIR "
+      "[--gpus N] [--prefill-workers N] [--calibration FILE]");
   std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(fixed.size()), fixed.data());
   if (rest.size() != 2) {
-    std::cerr << "usage: hmoe generate|status|health|load|bench|http-bench|deploy [flags] (--help "
+    std::cerr << "usage: hmoe generate|status|health|load|bench|calibrate|http-bench|deploy "
+                 "[flags] (--help "
                  "for flags)\n";
     return 2;
   }
   const std::string command = rest[1];
   if (command == "deploy") return Deploy(argv[0]);
   if (command == "bench") return hmoe::bench::RunBenchCommand({argv, argv + argc});
+  if (command == "calibrate") return hmoe::bench::RunCalibrateCommand({argv, argv + argc});
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_addr), grpc::InsecureChannelCredentials());
   auto stub = v1::Hmoe::NewStub(channel);
   if (command == "generate") return Generate(stub.get());
@@ -754,6 +776,6 @@ int main(int argc, char** argv) {
   if (command == "load") return Load(stub.get());
   if (command == "http-bench") return HttpBench(stub.get());
   std::cerr << "unknown command " << command
-            << "; use generate, status, health, load, bench, http-bench or deploy\n";
+            << "; use generate, status, health, load, bench, calibrate, http-bench or deploy\n";
   return 2;
 }

@@ -41,6 +41,7 @@ using namespace std::chrono_literals;
 
 constexpr char kWeightd[] = HMOE_WEIGHTD_PATH;
 constexpr char kDecode[] = HMOE_DECODE_WORKER_PATH;
+constexpr char kPrefill[] = HMOE_PREFILL_WORKER_PATH;
 constexpr char kRouter[] = HMOE_ROUTER_PATH;
 constexpr char kClient[] = HMOE_CLIENT_PATH;
 
@@ -49,15 +50,16 @@ std::string ReadFile(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
-// Runs `hmoe bench ARGS`; its exit code, stdout and stderr.
+// Runs `hmoe COMMAND ARGS`; its exit code, stdout and stderr.
 struct Ran {
   int code = -1;
   std::string out;
   std::string err;
 };
-Ran Bench(const std::string& dir, const std::string& tag, std::vector<std::string> args) {
+Ran Hmoe(const std::string& command, const std::string& dir, const std::string& tag,
+         std::vector<std::string> args) {
   ChildOptions o;
-  o.argv = {kClient, "bench"};
+  o.argv = {kClient, command};
   o.argv.insert(o.argv.end(), args.begin(), args.end());
   o.stdout_path = absl::StrCat(dir, "/", tag, ".out");
   o.stderr_path = absl::StrCat(dir, "/", tag, ".err");
@@ -68,6 +70,12 @@ Ran Bench(const std::string& dir, const std::string& tag, std::vector<std::strin
   r.out = child->ReadStdout();
   r.err = child->ReadStderr();
   return r;
+}
+Ran Bench(const std::string& dir, const std::string& tag, std::vector<std::string> args) {
+  return Hmoe("bench", dir, tag, std::move(args));
+}
+Ran Calibrate(const std::string& dir, const std::string& tag, std::vector<std::string> args) {
+  return Hmoe("calibrate", dir, tag, std::move(args));
 }
 
 TEST(BenchSmokeTest, BadFlagsExitTwoWithAMessage) {
@@ -95,6 +103,30 @@ TEST(BenchSmokeTest, BadFlagsExitTwoWithAMessage) {
   const Ran r = Bench(dir.path(), "noserver", {"--addr=127.0.0.1:1", "--timeout-s=2"});
   EXPECT_EQ(r.code, 1) << r.err;
   EXPECT_NE(r.err.find("GetModelInfo"), std::string::npos) << r.err;
+
+  // `hmoe calibrate`: the same rules.
+  const std::string file = "--calibration=" + dir.path() + "/node.json";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> calibrate_cases = {
+      {{}, "--calibration"},
+      {{file, "--lengths=64,x"}, "--lengths"},
+      {{file, "--lengths="}, "--lengths"},
+      {{file, "--batch-sizes=0"}, "--batch-sizes"},
+      {{file, "--repeats=0"}, "--repeats"},
+      {{file, "--step-tokens=1"}, "--step-tokens"},
+  };
+  for (const auto& [args, want] : calibrate_cases) {
+    std::vector<std::string> a = args;
+    a.push_back("--addr=127.0.0.1:1");
+    const Ran c = Calibrate(dir.path(), "bad", a);
+    EXPECT_EQ(c.code, 2) << want << ": " << c.err;
+    EXPECT_NE(c.err.find(want), std::string::npos) << c.err;
+  }
+  const Ran c = Calibrate(dir.path(), "noserver", {file, "--addr=127.0.0.1:1", "--timeout-s=2"});
+  EXPECT_EQ(c.code, 1) << c.err;
+  EXPECT_NE(c.err.find("GetModelInfo"), std::string::npos) << c.err;
+  // A failed run leaves no file behind (nor its temporary).
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/node.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/node.json.tmp"));
 }
 
 int ReadPort(const std::string& path) {
@@ -111,7 +143,8 @@ int ReadPort(const std::string& path) {
   return 0;
 }
 
-bool WaitDecodeLive(const std::string& addr) {
+// Until the router lists a live decode worker and `prefill_workers` live prefill workers.
+bool WaitLive(const std::string& addr, int prefill_workers) {
   auto stub = v1::Hmoe::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
   const absl::Time end = absl::Now() + absl::Seconds(60);
   while (absl::Now() < end) {
@@ -119,14 +152,145 @@ bool WaitDecodeLive(const std::string& addr) {
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     v1::RouterStatus st;
     if (stub->GetStatus(&ctx, {}, &st).ok()) {
+      int decode = 0, prefill = 0;
       for (const v1::WorkerInfo& w : st.workers()) {
-        if (w.kind() == v1::WORKER_KIND_DECODE && w.state() == v1::WORKER_STATE_LIVE) return true;
+        if (w.state() != v1::WORKER_STATE_LIVE) continue;
+        (w.kind() == v1::WORKER_KIND_DECODE ? decode : prefill) += 1;
       }
+      if (decode >= 1 && prefill >= prefill_workers) return true;
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
   return false;
 }
+
+// hmoe-weightd, a decode worker, `prefill_workers` prefill workers and the router on the `tiny`
+// checkpoint (written into `dir`), as child processes; `addr` is the router's. Stop() terminates
+// them, router first, and checks each exits 0.
+class Stack {
+ public:
+  // False (with a test failure) when a process did not start or the workers did not register.
+  bool Start(const std::string& dir, int prefill_workers) {
+    ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", 1);
+    const std::string& d = dir;
+    model = d + "/tiny";
+    absl::StatusOr<ModelPreset> preset = GetPreset("tiny");
+    if (!preset.ok()) {
+      ADD_FAILURE() << preset.status();
+      return false;
+    }
+    WriteOptions wo;
+    wo.force = true;
+    if (absl::Status s = WriteModel(*preset, model, wo); !s.ok()) {
+      ADD_FAILURE() << s;
+      return false;
+    }
+    const std::string instance = absl::StrCat("bench-", ::getpid(), "-", prefill_workers);
+    ChildOptions w;
+    w.argv = {kWeightd,      "--model",     model, "--instance", instance, "--socket",
+              d + "/w.sock", "--hugepages", "off", "--numa",     "off",    "--remove-on-exit"};
+    w.env = {{"HMOE_RUNTIME_DIR", d}};
+    w.stderr_path = d + "/weightd.log";
+    ChildProcess* weightd = Spawn(std::move(w));
+    if (weightd == nullptr) return false;
+    if (!weightd->WaitForOutput("SERVING instance", 60s, true).ok()) {
+      ADD_FAILURE() << weightd->ReadStderr();
+      return false;
+    }
+    ChildOptions dec;
+    dec.argv = {kDecode,
+                "--weightd-instance",
+                instance,
+                "--socket",
+                d + "/d.sock",
+                "--router",
+                "unix:" + d + "/r.sock",
+                "--worker-id",
+                "decode-0",
+                "--threads",
+                "1",
+                "--pin-threads=false",
+                "--heartbeat-ms",
+                "100",
+                "--kv-blocks",
+                "256",
+                "--kv-block-tokens",
+                "16",
+                "--drain-seconds",
+                "5"};
+    dec.stderr_path = d + "/decode.log";
+    if (Spawn(std::move(dec)) == nullptr) return false;
+    for (int i = 0; i < prefill_workers; ++i) {
+      ChildOptions p;
+      // Worker ids unique to the stack: a prefill worker removes the hand-off segments of its id
+      // at start-up (hmoe-kv-<id>-*).
+      p.argv = {kPrefill,
+                "--weightd-instance",
+                instance,
+                "--socket",
+                absl::StrCat(d, "/p", i, ".sock"),
+                "--device",
+                "cpu",
+                "--router",
+                "unix:" + d + "/r.sock",
+                "--worker-id",
+                absl::StrCat("prefill-", ::getpid(), "-", i),
+                "--threads",
+                "1",
+                "--pin-threads=false",
+                "--heartbeat-ms",
+                "100",
+                "--drain-seconds",
+                "5"};
+      p.stderr_path = absl::StrCat(d, "/prefill-", i, ".log");
+      if (Spawn(std::move(p)) == nullptr) return false;
+    }
+    ChildOptions r;
+    r.argv = {kRouter,
+              "--listen=127.0.0.1:0",
+              "--model=" + model,
+              "--registry-socket=" + d + "/r.sock",
+              "--port-file=" + d + "/port",
+              "--drain-seconds=5"};
+    r.stderr_path = d + "/router.log";
+    ChildProcess* router = Spawn(std::move(r));
+    if (router == nullptr) return false;
+    const int port = ReadPort(d + "/port");
+    if (port <= 0) {
+      ADD_FAILURE() << router->ReadStderr();
+      return false;
+    }
+    addr = absl::StrCat("127.0.0.1:", port);
+    if (!WaitLive(addr, prefill_workers)) {
+      ADD_FAILURE() << "workers did not register: " << router->ReadStderr();
+      return false;
+    }
+    return true;
+  }
+
+  void Stop() {
+    for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
+      EXPECT_EQ((*it)->Terminate(30s).value_or(-1), 0) << (*it)->ReadStderr();
+    }
+    children_.clear();
+  }
+
+  std::string model;
+  std::string addr;
+
+ private:
+  ChildProcess* Spawn(ChildOptions o) {
+    absl::StatusOr<ChildProcess> c = ChildProcess::Start(std::move(o));
+    if (!c.ok()) {
+      ADD_FAILURE() << c.status();
+      return nullptr;
+    }
+    children_.push_back(std::make_unique<ChildProcess>(*std::move(c)));
+    return children_.back().get();
+  }
+
+  std::vector<std::unique_ptr<ChildProcess>> children_;  // destroyed in reverse: router first
+};
 
 // The fields docs/bench.md lists for every request.
 void CheckRequest(const json& r, bool measured) {
@@ -162,73 +326,12 @@ void CheckDistribution(const json& d, int64_t count) {
 }
 
 TEST(BenchSmokeTest, TenRequestsAndTheScenariosOnTiny) {
-  ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", 1);
   ::hmoe::testing::TempDir dir("hmoe_bench");
   ASSERT_FALSE(dir.path().empty());
   const std::string d = dir.path();
-  const std::string model = d + "/tiny";
-  absl::StatusOr<ModelPreset> preset = GetPreset("tiny");
-  ASSERT_TRUE(preset.ok()) << preset.status();
-  WriteOptions wo;
-  wo.force = true;
-  ASSERT_TRUE(WriteModel(*preset, model, wo).ok());
-  const std::string instance = absl::StrCat("bench-", ::getpid());
-
-  std::vector<std::unique_ptr<ChildProcess>> stack;  // destroyed in reverse: router first
-  auto spawn = [&](ChildOptions o) -> ChildProcess* {
-    absl::StatusOr<ChildProcess> c = ChildProcess::Start(std::move(o));
-    if (!c.ok()) {
-      ADD_FAILURE() << c.status();
-      return nullptr;
-    }
-    stack.push_back(std::make_unique<ChildProcess>(*std::move(c)));
-    return stack.back().get();
-  };
-  ChildOptions w;
-  w.argv = {kWeightd,      "--model",     model, "--instance", instance, "--socket",
-            d + "/w.sock", "--hugepages", "off", "--numa",     "off",    "--remove-on-exit"};
-  w.env = {{"HMOE_RUNTIME_DIR", d}};
-  w.stderr_path = d + "/weightd.log";
-  ChildProcess* weightd = spawn(std::move(w));
-  ASSERT_NE(weightd, nullptr);
-  ASSERT_TRUE(weightd->WaitForOutput("SERVING instance", 60s, true).ok()) << weightd->ReadStderr();
-  ChildOptions dec;
-  dec.argv = {kDecode,
-              "--weightd-instance",
-              instance,
-              "--socket",
-              d + "/d.sock",
-              "--router",
-              "unix:" + d + "/r.sock",
-              "--worker-id",
-              "decode-0",
-              "--threads",
-              "1",
-              "--pin-threads=false",
-              "--heartbeat-ms",
-              "100",
-              "--kv-blocks",
-              "256",
-              "--kv-block-tokens",
-              "16",
-              "--drain-seconds",
-              "5"};
-  dec.stderr_path = d + "/decode.log";
-  ASSERT_NE(spawn(std::move(dec)), nullptr);
-  ChildOptions r;
-  r.argv = {kRouter,
-            "--listen=127.0.0.1:0",
-            "--model=" + model,
-            "--registry-socket=" + d + "/r.sock",
-            "--port-file=" + d + "/port",
-            "--drain-seconds=5"};
-  r.stderr_path = d + "/router.log";
-  ChildProcess* router = spawn(std::move(r));
-  ASSERT_NE(router, nullptr);
-  const int port = ReadPort(d + "/port");
-  ASSERT_GT(port, 0) << router->ReadStderr();
-  const std::string addr = absl::StrCat("127.0.0.1:", port);
-  ASSERT_TRUE(WaitDecodeLive(addr)) << router->ReadStderr();
+  Stack stack;
+  ASSERT_TRUE(stack.Start(d, 0));
+  const std::string& addr = stack.addr;
 
   // --- 10 requests, open loop.
   const std::string load_json = d + "/load.json";
@@ -338,9 +441,135 @@ TEST(BenchSmokeTest, TenRequestsAndTheScenariosOnTiny) {
   }
   EXPECT_NE(ran.out.find("1P+2D"), std::string::npos) << ran.out;
 
-  for (auto it = stack.rbegin(); it != stack.rend(); ++it) {
-    EXPECT_EQ((*it)->Terminate(30s).value_or(-1), 0) << (*it)->ReadStderr();
+  // `hmoe calibrate` needs a prefill worker to measure SLP: exit 1 saying so, no file.
+  ran = Calibrate(d, "calib-noprefill", {"--addr=" + addr, "--calibration=" + d + "/node.json"});
+  EXPECT_EQ(ran.code, 1) << ran.err;
+  EXPECT_NE(ran.err.find("no live prefill worker"), std::string::npos) << ran.err;
+  EXPECT_FALSE(std::filesystem::exists(d + "/node.json"));
+
+  stack.Stop();
+}
+
+// `hmoe calibrate` on tiny with a prefill worker (issue 21 item 4, the CI smoke run): a short
+// ladder, the file checked against docs/bench.md's schema and against the crossing rule applied
+// to its own medians; then `hmoe deploy --calibration` puts its thresholds on the router's
+// command line, and rejects a missing file and a file of another kind.
+TEST(BenchSmokeTest, CalibrateOnTinyAndDeployTheFile) {
+  ::hmoe::testing::TempDir dir("hmoe_calibrate");
+  ASSERT_FALSE(dir.path().empty());
+  const std::string d = dir.path();
+  Stack stack;
+  ASSERT_TRUE(stack.Start(d, 1));
+  const std::string file = d + "/node.json";
+  const std::vector<int64_t> lengths = {8, 16, 32};
+  Ran ran = Calibrate(d, "calib",
+                      {"--addr=" + stack.addr, "--calibration=" + file, "--lengths=32,8,16",
+                       "--batch-sizes=1,2", "--repeats=2", "--step-tokens=4", "--label=smoke"});
+  ASSERT_EQ(ran.code, 0) << ran.err;
+  stack.Stop();
+  EXPECT_NE(ran.out.find("router: --chunk-threshold="), std::string::npos) << ran.out;
+  EXPECT_FALSE(std::filesystem::exists(file + ".tmp"));
+  json doc;
+  ASSERT_NO_THROW(doc = json::parse(ReadFile(file)));
+  EXPECT_EQ(doc["schema"], "hmoe-calibration/1");
+  EXPECT_EQ(doc["label"], "smoke");
+  EXPECT_FALSE(doc["host"]["cpu"].get<std::string>().empty());
+  EXPECT_EQ(doc["host"]["loadavg_start"].size(), 3u);
+  EXPECT_EQ(doc["host"]["loadavg_end"].size(), 3u);
+  const int64_t context = doc["server"]["context_length"];
+  EXPECT_EQ(doc["config"]["lengths"], json(lengths));
+  EXPECT_EQ(doc["config"]["batch_sizes"], json::array({1, 2}));
+
+  // The ladder: both paths, two repeats each, medians of them.
+  const json& prefill = doc["measurements"]["prefill"];
+  ASSERT_EQ(prefill.size(), lengths.size());
+  std::vector<double> diffs;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const json& m = prefill[i];
+    EXPECT_EQ(m["prompt_tokens"], lengths[i]);
+    ASSERT_EQ(m["chunked_ttft_s"].size(), 2u);
+    ASSERT_EQ(m["slp_ttft_s"].size(), 2u);
+    const double c0 = m["chunked_ttft_s"][0], c1 = m["chunked_ttft_s"][1];
+    const double s0 = m["slp_ttft_s"][0], s1 = m["slp_ttft_s"][1];
+    EXPECT_GT(c0, 0);
+    EXPECT_GT(s0, 0);
+    EXPECT_DOUBLE_EQ(m["chunked_median_s"].get<double>(), (c0 + c1) / 2);
+    EXPECT_DOUBLE_EQ(m["slp_median_s"].get<double>(), (s0 + s1) / 2);
+    diffs.push_back((s0 + s1) / 2 - (c0 + c1) / 2);
   }
+  // The decode ladder: 1 request per repeat at batch 1, 2 at batch 2.
+  const json& decode = doc["measurements"]["decode"];
+  ASSERT_EQ(decode.size(), 2u);
+  EXPECT_EQ(decode[0]["batch"], 1);
+  EXPECT_EQ(decode[0]["tpot_s"].size(), 2u);
+  EXPECT_EQ(decode[1]["batch"], 2);
+  EXPECT_EQ(decode[1]["tpot_s"].size(), 4u);
+  for (const json& m : decode) {
+    EXPECT_GT(m["step_s"].get<double>(), 0);
+    EXPECT_NEAR(m["tokens_per_s"].get<double>(),
+                m["batch"].get<double>() / m["step_s"].get<double>(), 1e-9);
+  }
+
+  // The threshold follows the crossing rule on the file's own medians.
+  const int64_t threshold = doc["router"]["chunk_threshold"];
+  const std::string outcome = doc["derivation"]["chunk_threshold"]["outcome"];
+  if (diffs.back() >= 0) {
+    EXPECT_EQ(outcome, "slp_never_wins");
+    EXPECT_EQ(threshold, context);
+  } else if (diffs[0] < 0 && diffs[1] < 0) {
+    EXPECT_EQ(outcome, "slp_always_wins");
+    EXPECT_EQ(threshold, 8);
+  } else {
+    EXPECT_EQ(outcome, "crossing");
+    const json& between = doc["derivation"]["chunk_threshold"]["between_tokens"];
+    EXPECT_EQ(between[0], diffs[1] >= 0 ? 16 : 8);
+    EXPECT_GT(threshold, between[0].get<int64_t>());
+    EXPECT_LE(threshold, between[1].get<int64_t>());
+  }
+  // The idle window is kept (one prefill worker: no DSLP), with the reason.
+  EXPECT_EQ(doc["router"]["decode_idle_window_s"],
+            doc["server"]["decode_idle_window_ms"].get<int64_t>() / 1000);
+  EXPECT_EQ(doc["derivation"]["decode_idle_window_s"]["kept"], true);
+  EXPECT_NE(doc["derivation"]["decode_idle_window_s"]["reason"].get<std::string>().find(
+                "two or more prefill workers"),
+            std::string::npos);
+  // Every measured request ran on the path it measured.
+  int slp = 0, chunked = 0;
+  for (const json& q : doc["requests"]) {
+    EXPECT_EQ(q["status"], "OK") << q.dump();
+    (q["path"] == "slp" ? slp : chunked) += 1;
+  }
+  EXPECT_EQ(slp, 1 + 2 * 3);              // warm-up + repeats x lengths
+  EXPECT_EQ(chunked, 1 + 2 * 3 + 2 + 4);  // the same + the decode batches
+
+  // `hmoe deploy --calibration` hands the thresholds to the router.
+  const std::string out = d + "/deploy";
+  ran = Hmoe("deploy", d, "deploy",
+             {"--model=" + stack.model, "--out=" + out, "--calibration=" + file,
+              "--http-listen=", "--prefill-workers=0"});
+  ASSERT_EQ(ran.code, 0) << ran.err;
+  const std::string conf = ReadFile(out + "/supervisord.conf");
+  EXPECT_NE(conf.find(absl::StrCat("--chunk-threshold=", threshold, " --decode-idle-window-s=",
+                                   doc["router"]["decode_idle_window_s"].get<int64_t>())),
+            std::string::npos)
+      << conf;
+  EXPECT_NE(ran.out.find("router thresholds from"), std::string::npos) << ran.out;
+  // A missing file and a bench document: exit 2 naming the problem, nothing written.
+  std::filesystem::remove_all(out);
+  ran = Hmoe("deploy", d, "deploy-missing",
+             {"--model=" + stack.model, "--out=" + out, "--calibration=" + d + "/absent.json"});
+  EXPECT_EQ(ran.code, 2) << ran.err;
+  EXPECT_NE(ran.err.find("absent.json: No such file"), std::string::npos) << ran.err;
+  EXPECT_FALSE(std::filesystem::exists(out));
+  {
+    std::ofstream f(d + "/bench.json");
+    f << R"({"schema": "hmoe-bench/1", "mode": "load"})";
+  }
+  ran = Hmoe("deploy", d, "deploy-bench",
+             {"--model=" + stack.model, "--out=" + out, "--calibration=" + d + "/bench.json"});
+  EXPECT_EQ(ran.code, 2) << ran.err;
+  EXPECT_NE(ran.err.find("hmoe-calibration/1"), std::string::npos) << ran.err;
+  EXPECT_FALSE(std::filesystem::exists(out));
 }
 
 }  // namespace

@@ -229,6 +229,35 @@ TEST_F(DeployConfigTest, ExtraArgumentsAreAppended) {
   EXPECT_TRUE(absl::EndsWith(conf.at("program:router").at("command"), "--chunk-threshold=64"));
 }
 
+TEST_F(DeployConfigTest, CalibratedThresholdsGoToTheRouter) {
+  DeployOptions o = Options();
+  absl::StatusOr<DeployOptions> r = Resolve(o);
+  ASSERT_TRUE(r.ok());
+  // Without a calibration: the router's defaults, no flags.
+  std::string cmd = Parse(RenderSupervisordConf(*r)).at("program:router").at("command");
+  EXPECT_FALSE(absl::StrContains(cmd, "--chunk-threshold")) << cmd;
+  EXPECT_FALSE(absl::StrContains(cmd, "--decode-idle-window-s")) << cmd;
+  o.chunk_threshold = 320;
+  o.decode_idle_window_s = 0;
+  o.router_args = {"--max-inflight=8"};
+  r = Resolve(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  cmd = Parse(RenderSupervisordConf(*r)).at("program:router").at("command");
+  // Before the user's router flags, which win.
+  EXPECT_TRUE(
+      absl::EndsWith(cmd, "--chunk-threshold=320 --decode-idle-window-s=0 --max-inflight=8"))
+      << cmd;
+  o.chunk_threshold = int64_t{1} << 31;
+  EXPECT_EQ(Resolve(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.chunk_threshold = -1;
+  EXPECT_EQ(Resolve(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.chunk_threshold = 64;
+  o.decode_idle_window_s = -2;
+  const absl::Status s = Resolve(o).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "idle window")) << s;
+}
+
 TEST_F(DeployConfigTest, RejectsWhatSupervisordWouldMisread) {
   DeployOptions o = Options();
   o.out_dir = dir_ + "/out with space";

@@ -163,4 +163,24 @@ std::string ScenariosText(const ScenarioReport& report) {
   return out;
 }
 
+nlohmann::json ServerJson(const std::string& addr, const v1::ModelInfo& info,
+                          const absl::StatusOr<v1::RouterStatus>& st) {
+  nlohmann::json workers = nlohmann::json::array();
+  if (st.ok()) {
+    for (const v1::WorkerInfo& w : st->workers()) {
+      workers.push_back({{"worker_id", w.worker_id()},
+                         {"kind", w.kind() == v1::WORKER_KIND_PREFILL ? "prefill" : "decode"},
+                         {"device", w.device()},
+                         {"batch_size", w.batch_size()}});
+    }
+  }
+  return {{"addr", addr},
+          {"model", info.model()},
+          {"vocab_size", info.vocab_size()},
+          {"context_length", info.context_length()},
+          {"chunk_threshold_tokens", info.chunk_threshold_tokens()},
+          {"decode_idle_window_ms", info.decode_idle_window_ms()},
+          {"workers", std::move(workers)}};
+}
+
 }  // namespace hmoe::bench

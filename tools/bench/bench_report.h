@@ -19,6 +19,10 @@ nlohmann::json DistributionJson(const Distribution& d);
 nlohmann::json SummaryJson(const Summary& s);
 nlohmann::json RequestJson(const RequestResult& r);
 nlohmann::json ScenariosJson(const ScenarioReport& report);
+// The document's "server" object: the router's address, model limits, thresholds and workers
+// (an empty worker list when GetStatus failed).
+nlohmann::json ServerJson(const std::string& addr, const v1::ModelInfo& info,
+                          const absl::StatusOr<v1::RouterStatus>& st);
 
 // Human-readable tables (milliseconds for TTFT/TPOT/ITL).
 std::string SummaryText(const Summary& s, const Slo& slo);

@@ -398,4 +398,106 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
   return report;
 }
 
+absl::StatusOr<CalibrateReport> RunCalibration(BenchClient& client, const v1::ModelInfo& info,
+                                               const CalibrateOptions& o) {
+  auto log = [&](const std::string& line) {
+    if (o.log) o.log(line);
+  };
+  const int64_t context = info.context_length();
+  const int64_t vocab = info.vocab_size();
+  if (o.lengths.empty() || o.batch_sizes.empty() || o.repeats < 1) {
+    return absl::InvalidArgumentError("calibration needs lengths, batch sizes and repeats >= 1");
+  }
+  for (int64_t length : o.lengths) {
+    if (length < 1 || length + o.prefill_new_tokens > context) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("a prompt of %d tokens (+%d new) does not fit the context (%d tokens)",
+                          length, o.prefill_new_tokens, context));
+    }
+  }
+  if (o.decode_prompt_tokens + o.step_tokens > context) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("decodes of %d + %d tokens do not fit the context (%d tokens)",
+                        o.decode_prompt_tokens, o.step_tokens, context));
+  }
+  std::mt19937_64 rng(o.seed);
+  CalibrateReport report;
+  const Clock::time_point origin = Clock::now();
+  // Runs one request on a forced path and keeps it; its TTFT, or an error.
+  auto prefill = [&](int64_t tokens, v1::PathHint hint, bool warmup) -> absl::StatusOr<double> {
+    RequestResult r = client.Run(Random(tokens, o.prefill_new_tokens, vocab, rng), hint, origin);
+    r.index = static_cast<int64_t>(report.requests.size());
+    r.warmup = warmup;
+    r.scenario = "calibration";
+    const std::string want = hint == v1::PATH_HINT_SLP ? "slp" : "chunked";
+    const bool ok = r.ok;
+    const std::string status = r.status, message = r.message, path = r.path;
+    const double ttft = Ttft(r);
+    report.requests.push_back(std::move(r));
+    if (!ok) {
+      return absl::UnavailableError(
+          absl::StrFormat("%s prefill of %d tokens failed: %s: %s", want, tokens, status, message));
+    }
+    if (path != want) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "a %d-token prompt hinted %s was served on the path \"%s\"", tokens, want, path));
+    }
+    return ttft;
+  };
+  for (v1::PathHint hint : {v1::PATH_HINT_CHUNKED, v1::PATH_HINT_SLP}) {
+    absl::StatusOr<double> w = prefill(o.lengths.front(), hint, true);
+    if (!w.ok()) return w.status();
+  }
+  report.prefill.resize(o.lengths.size());
+  for (size_t i = 0; i < o.lengths.size(); ++i) report.prefill[i].prompt_tokens = o.lengths[i];
+  for (int rep = 0; rep < o.repeats; ++rep) {
+    for (LengthMeasurement& m : report.prefill) {
+      const bool slp_first = rep % 2 == 1;
+      for (int k = 0; k < 2; ++k) {
+        const bool slp = (k == 0) == slp_first;
+        absl::StatusOr<double> t =
+            prefill(m.prompt_tokens, slp ? v1::PATH_HINT_SLP : v1::PATH_HINT_CHUNKED, false);
+        if (!t.ok()) return t.status();
+        (slp ? m.slp_ttft_s : m.chunked_ttft_s).push_back(*t);
+      }
+      log(absl::StrFormat("prefill #%d: %d tokens: chunked %.3f s, SLP %.3f s", rep + 1,
+                          m.prompt_tokens, m.chunked_ttft_s.back(), m.slp_ttft_s.back()));
+    }
+  }
+  for (int batch : o.batch_sizes) {
+    BatchMeasurement m;
+    m.batch = batch;
+    for (int rep = 0; rep < o.repeats; ++rep) {
+      std::vector<PlannedRequest> plan;
+      for (int i = 0; i < batch; ++i) {
+        plan.push_back(Random(o.decode_prompt_tokens, o.step_tokens, vocab, rng));
+      }
+      std::vector<RequestResult> out(plan.size());
+      {
+        std::vector<std::thread> threads;
+        for (size_t i = 0; i < plan.size(); ++i) {
+          threads.emplace_back(
+              [&, i] { out[i] = client.Run(plan[i], v1::PATH_HINT_CHUNKED, origin); });
+        }
+        for (std::thread& t : threads) t.join();
+      }
+      for (RequestResult& r : out) {
+        r.index = static_cast<int64_t>(report.requests.size());
+        r.scenario = absl::StrCat("decode-batch-", batch);
+        r.repeat = rep;
+        if (!r.ok) {
+          return absl::UnavailableError(absl::StrFormat(
+              "a decode request of a batch of %d failed: %s: %s", batch, r.status, r.message));
+        }
+        m.tpot_s.push_back(Tpot(r));
+        report.requests.push_back(std::move(r));
+      }
+    }
+    log(absl::StrFormat("decode: batch %d: TPOT mean %.2f ms over %d requests", batch,
+                        1e3 * Mean(m.tpot_s), m.tpot_s.size()));
+    report.decode.push_back(std::move(m));
+  }
+  return report;
+}
+
 }  // namespace hmoe::bench

@@ -142,4 +142,38 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
 // The normalization of Fig. 18 over finished results (used by RunScenarios; exposed for tests).
 void Normalize(std::vector<ScenarioResult>& results);
 
+// `hmoe calibrate`'s measurements (docs/bench.md "Calibration"): the TTFT of each prefill path,
+// forced by the request's path hint, over a ladder of prompt lengths; and the decode step time
+// (the mean inter-token gap, TPOT) with `batch` requests decoding at once.
+struct CalibrateOptions {
+  std::vector<int64_t> lengths;  // prompt lengths, increasing; each must fit the context
+  std::vector<int> batch_sizes;  // concurrent decode requests per decode measurement
+  int repeats = 3;               // measurements of each path per length, and of each batch size
+  int64_t prefill_new_tokens = 2;
+  int64_t decode_prompt_tokens = 10;
+  int64_t step_tokens = 32;  // forced tokens of each decode request
+  uint64_t seed = 0;
+  std::function<void(const std::string&)> log;
+};
+struct LengthMeasurement {
+  int64_t prompt_tokens = 0;
+  std::vector<double> chunked_ttft_s;  // per repeat (client TTFT)
+  std::vector<double> slp_ttft_s;
+};
+struct BatchMeasurement {
+  int batch = 0;
+  std::vector<double> tpot_s;  // every request of every repeat
+};
+struct CalibrateReport {
+  std::vector<LengthMeasurement> prefill;
+  std::vector<BatchMeasurement> decode;
+  std::vector<RequestResult> requests;
+};
+// Needs a live prefill worker (SLP). Each repeat measures every length on both paths, the order
+// of the two paths alternating between repeats (so a drift of the machine's load does not favour
+// one); one request per path at the shortest length warms up first. Unavailable when a request
+// fails, FailedPrecondition when the router served a request on another path than the hint.
+absl::StatusOr<CalibrateReport> RunCalibration(BenchClient& client, const v1::ModelInfo& info,
+                                               const CalibrateOptions& options);
+
 }  // namespace hmoe::bench
