@@ -254,20 +254,39 @@ TEST(SlpRunnerTest, FirstTokenAndExportedKvEqualTheResidentEngine) {
 }
 
 // The first `prefix` tokens of a full hand-off payload of `n` tokens (per layer, per token), in a
-// new shared-memory segment `name` as a decode worker's ExportPrefix writes it.
-void WritePrefixSegment(const std::vector<std::byte>& full, int64_t n, int64_t prefix,
-                        const KvHandoffShape& shape, const std::string& name, bool poison = false) {
-  auto segment = KvHandoffSegment::Create(name, shape, prefix);
-  ASSERT_TRUE(segment.ok()) << segment.status();
-  const size_t row = (shape.kv_lora_rank + shape.rope_dim) * sizeof(float);
-  std::byte* out = segment->payload().data();
-  for (uint32_t l = 0; l < shape.num_layers; ++l) {
-    std::memcpy(out + l * prefix * row, full.data() + l * n * row, prefix * row);
+// new shared-memory segment as a decode worker's ExportPrefix writes it, opened as the prefill
+// worker opens it and unlinked (the mapping stays). nullptr (a test failure) on error.
+std::unique_ptr<KvImportSource> PrefixSource(const std::vector<std::byte>& full, int64_t n,
+                                             int64_t prefix, const KvHandoffShape& shape,
+                                             bool poison = false) {
+  const std::string name = UniqueName("prefix");
+  {
+    auto segment = KvHandoffSegment::Create(name, shape, prefix);
+    if (!segment.ok()) {
+      ADD_FAILURE() << segment.status();
+      return nullptr;
+    }
+    const size_t row = (shape.kv_lora_rank + shape.rope_dim) * sizeof(float);
+    std::byte* out = segment->payload().data();
+    for (uint32_t l = 0; l < shape.num_layers; ++l) {
+      std::memcpy(out + l * prefix * row, full.data() + l * n * row, prefix * row);
+    }
+    if (poison) {  // one value of the first layer's first row
+      const float bad = 1e3f;
+      std::memcpy(out, &bad, sizeof(bad));
+    }
   }
-  if (poison) {  // one value of the first layer's first row
-    const float bad = 1e3f;
-    std::memcpy(out, &bad, sizeof(bad));
+  KvHandleSpec h;
+  h.shm_name = name;
+  h.num_tokens = prefix;
+  h.layout_version = kKvHandoffLayoutVersion;
+  auto source = NewShmKvImporter()->Open(h, shape);
+  EXPECT_TRUE(KvHandoffSegment::Remove(name).ok());
+  if (!source.ok()) {
+    ADD_FAILURE() << source.status();
+    return nullptr;
   }
+  return *std::move(source);
 }
 
 // A prefix handed over by the decode worker's prefix cache: only the rest of the prompt is
@@ -286,17 +305,10 @@ TEST(SlpRunnerTest, APrefixFromTheDecodeWorkerLeavesOnlyTheSuffixAndChangesNothi
     const KvHandoffShape shape = HandoffShapeOf(rig->runner->kv_cache_config());
     for (int64_t prefix : {int64_t{1}, int64_t{64}, int64_t{100}, int64_t{149}}) {
       SCOPED_TRACE(absl::StrCat("max_step_tokens ", max_step, ", prefix ", prefix));
-      const std::string in = UniqueName("prefix");
-      WritePrefixSegment(want.kv, 150, prefix, shape, in);
-      KvHandleSpec h;
-      h.shm_name = in;
-      h.num_tokens = prefix;
-      h.layout_version = kKvHandoffLayoutVersion;
-      auto source = NewShmKvImporter()->Open(h, shape);
-      ASSERT_TRUE(source.ok()) << source.status();
-      auto got = rig->runner->Run(prompt, SamplingParams(), UniqueName("suffix"), cancelled,
-                                  source->get());
-      ASSERT_TRUE(KvHandoffSegment::Remove(in).ok());
+      std::unique_ptr<KvImportSource> source = PrefixSource(want.kv, 150, prefix, shape);
+      ASSERT_NE(source, nullptr);
+      auto got =
+          rig->runner->Run(prompt, SamplingParams(), UniqueName("suffix"), cancelled, source.get());
       ASSERT_TRUE(got.ok()) << got.status();
       EXPECT_EQ(got->prefix_tokens, prefix);
       EXPECT_EQ(got->prompt_tokens, 150);
@@ -308,17 +320,11 @@ TEST(SlpRunnerTest, APrefixFromTheDecodeWorkerLeavesOnlyTheSuffixAndChangesNothi
       EXPECT_EQ(rig->runner->kv_blocks_free(), rig->runner->kv_blocks_total());
     }
     // A prefix with one value off: the prefill attends to it, so the export differs.
-    const std::string bad = UniqueName("poisoned");
-    WritePrefixSegment(want.kv, 150, 100, shape, bad, /*poison=*/true);
-    KvHandleSpec h;
-    h.shm_name = bad;
-    h.num_tokens = 100;
-    h.layout_version = kKvHandoffLayoutVersion;
-    auto source = NewShmKvImporter()->Open(h, shape);
-    ASSERT_TRUE(source.ok()) << source.status();
+    std::unique_ptr<KvImportSource> source =
+        PrefixSource(want.kv, 150, 100, shape, /*poison=*/true);
+    ASSERT_NE(source, nullptr);
     auto got = rig->runner->Run(prompt, SamplingParams(), UniqueName("poisoned-out"), cancelled,
-                                source->get());
-    ASSERT_TRUE(KvHandoffSegment::Remove(bad).ok());
+                                source.get());
     ASSERT_TRUE(got.ok()) << got.status();
     const std::vector<std::byte> out = ReadExport(got->kv->handle(), shape);
     const size_t row = (shape.kv_lora_rank + shape.rope_dim) * sizeof(float);
