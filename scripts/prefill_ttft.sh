@@ -14,14 +14,8 @@ source "$ROOT/scripts/lib/common.sh"
 HMOE="$BIN_DIR/tools/hmoe"
 require_client prefill_ttft "$HMOE"
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-ttft-$TAG.XXXXXX")"
-RUN_DIR="$OUT/run"; CONF="$OUT/supervisord.conf"
-"$HMOE" deploy --model "$MODEL" --out "$OUT" --run-dir "$RUN_DIR" --gpus 0 --prefill-workers 0 \
-  --bin-dir "$BIN_DIR" --listen "127.0.0.1:$PORT" --http-listen= \
-  --instance "ttft-$TAG-$$" --weightd-args=--remove-on-exit \
-  --decode-args="--threads=2 --pin-threads=false" >/dev/null || exit 1
-supervisord -c "$CONF"
-trap 'stop_supervisord "$CONF" "$RUN_DIR"' EXIT
-wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$OUT/logs" || exit 1
+trap 'stop_supervisord "$OUT/supervisord.conf" "$OUT/run"' EXIT
+start_stack "$HMOE" "$BIN_DIR" "$MODEL" "$OUT" "$PORT" 0 "ttft-$TAG-$$" "--threads=2" || exit 1
 IDS=$(seq 0 511 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 3000 + 10}')
 "$HMOE" generate --addr "127.0.0.1:$PORT" --prompt-ids "$IDS" --max-new-tokens 1 \
   --timeout-s 1800 >"$OUT/gen.out" 2>&1

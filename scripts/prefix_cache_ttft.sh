@@ -27,21 +27,14 @@ source "$ROOT/scripts/lib/common.sh"
 HMOE="$BIN_DIR/tools/hmoe"
 require_client prefix_cache_ttft "$HMOE"
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-prefix-ttft.XXXXXX")"
-RUN_DIR="$OUT/run"; CONF="$OUT/supervisord.conf"
 PREFILL_WORKERS="${PREFILL_WORKERS:-0}"
 ROUTER_ARGS=""
 if [[ "$PREFILL_WORKERS" != 0 ]]; then
   ROUTER_ARGS="--chunk-threshold=${CHUNK_THRESHOLD:-256} --cpu-devices-shared=false"
 fi
-"$HMOE" deploy --model "$MODEL" --out "$OUT" --run-dir "$RUN_DIR" --gpus 0 \
-  --prefill-workers "$PREFILL_WORKERS" --router-args="$ROUTER_ARGS" \
-  --prefill-args="--threads=2 --pin-threads=false" \
-  --bin-dir "$BIN_DIR" --listen "127.0.0.1:$PORT" --http-listen= \
-  --instance "prefix-ttft-$$" --weightd-args=--remove-on-exit \
-  --decode-args="--threads=2 --pin-threads=false" >/dev/null || exit 1
-supervisord -c "$CONF"
-trap 'stop_supervisord "$CONF" "$RUN_DIR"; rm -rf "$OUT"' EXIT
-wait_for_stack "$HMOE" "127.0.0.1:$PORT" "$CONF" "$OUT/logs" || exit 1
+trap 'stop_supervisord "$OUT/supervisord.conf" "$OUT/run"; rm -rf "$OUT"' EXIT
+start_stack "$HMOE" "$BIN_DIR" "$MODEL" "$OUT" "$PORT" "$PREFILL_WORKERS" "prefix-ttft-$$" \
+  "--threads=2" "--threads=2 --pin-threads=false" "$ROUTER_ARGS" || exit 1
 ids() {  # ids COUNT SEED: COUNT token ids from a fixed sequence
   seq 0 $(($1 - 1)) | awk -v s="$2" '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919 + s * 104729) % 3000 + 10}'
 }

@@ -80,7 +80,8 @@ wait_for_stack() {
   return 1
 }
 
-# start_stack HMOE BUILD MODEL DIR PORT PREFILL_WORKERS INSTANCE [DECODE_ARGS] [PREFILL_ARGS]:
+# start_stack HMOE BUILD MODEL DIR PORT PREFILL_WORKERS INSTANCE [DECODE_ARGS] [PREFILL_ARGS]
+#             [ROUTER_ARGS]:
 # writes a node's configuration with `hmoe deploy` into DIR (sockets in DIR/run, no HTTP API,
 # weightd removes its shared memory on exit, the decode worker unpinned), starts supervisord and
 # waits until the router on 127.0.0.1:PORT lists a live decode worker and, with PREFILL_WORKERS >
@@ -88,12 +89,13 @@ wait_for_stack() {
 # The caller stops it with `stop_supervisord DIR/supervisord.conf DIR/run` (set the trap first).
 start_stack() {
   local hmoe="$1" build="$2" model="$3" dir="$4" port="$5" prefill="$6" instance="$7"
-  local decode_args="${8:-}" prefill_args="${9:-}"
+  local decode_args="${8:-}" prefill_args="${9:-}" router_args="${10:-}"
   local conf="$dir/supervisord.conf"
   "$hmoe" deploy --model "$model" --out "$dir" --run-dir "$dir/run" \
     --instance "$instance" --listen "127.0.0.1:$port" --http-listen= --prefill-workers "$prefill" \
     --bin-dir "$build" --weightd-args="--remove-on-exit" \
-    --decode-args="--pin-threads=false $decode_args" --prefill-args="$prefill_args" >/dev/null ||
+    --decode-args="--pin-threads=false $decode_args" --prefill-args="$prefill_args" \
+    --router-args="$router_args" >/dev/null ||
     return 1
   supervisord -c "$conf" || return 1
   if [[ "$prefill" -gt 0 ]]; then
