@@ -345,8 +345,7 @@ TEST_P(GoldenLogitsTest, ReferenceAndEngineMatchTransformers) {
       const double gap = ft->routing[l][p].SelectionGap();
       const double eps = ft->gap_tolerance[l][p];
       worst_gap_ratio = std::max(worst_gap_ratio, gap / eps);
-      if (!(gap < eps)) {
-        ++unproven;
+      if (!(gap < eps) && unproven++ < 10) {
         ADD_FAILURE() << g.name << ": position " << p << " layer " << l
                       << ": the engine's experts differ from the reference's where the "
                       << "reference's selection gap " << gap << " is not below its tolerance "
@@ -429,7 +428,10 @@ TEST_P(GoldenLogitsTest, ReferenceAndEngineMatchTransformers) {
       EXPECT_LE(d, tol) << g.name << " engine full row, position " << p;
     }
   }
-  EXPECT_EQ(pairs_over, 0) << g.name << ": engine logit pairs beyond the error model's tolerance";
+  EXPECT_EQ(unproven, 0) << g.name << ": routing differences that are not near-ties (the first "
+                         << "10 are listed above)";
+  EXPECT_EQ(pairs_over, 0) << g.name << ": engine logit pairs beyond the error model's tolerance "
+                           << "(the first 10 are listed above)";
   // The RMS difference over every window of kWindow compared positions: BF16 noise averages out,
   // a systematic error (a bug confined to some positions or experts) does not.
   const size_t window = std::min<size_t>(kWindow, sq_diffs.size());
