@@ -57,13 +57,6 @@ inline int32_t ArgMax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
-// Top-1 minus top-2 logit.
-inline double TopMargin(const std::vector<float>& v) {
-  std::vector<float> s = v;
-  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
-  return s[0] - s[1];
-}
-
 inline std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> dist(0, vocab - 1);
