@@ -37,7 +37,6 @@
 namespace hmoe::decode {
 namespace {
 
-using ::hmoe::decode::testing::CheckAgreement;
 using ::hmoe::decode::testing::ScopedTempDir;
 
 struct Model {
@@ -331,9 +330,18 @@ TEST_F(DecodeEngineTest, ImportedReferenceKvCacheContinuesLikeThePrefill) {
   std::vector<int32_t> generated = {first};
   generated.insert(generated.end(), res.tokens.begin(), res.tokens.end());
   ASSERT_EQ(generated.size(), static_cast<size_t>(kTokens));
-  auto agreement = CheckAgreement(ref, prompt, generated);
-  ASSERT_TRUE(agreement.ok());
+  // The continuation replayed in process from the same imported cache, with the engine's routing:
+  // the score-gap rule and the derived per-step tolerances (docs/conformance.md).
+  auto agreement = testing::CheckImportedKvAgreementWithRoutingFlips(
+      g_model->checkpoint->config(), *g_model->checkpoint, ref, prompt, generated);
+  ASSERT_TRUE(agreement.ok()) << agreement.status();
   EXPECT_TRUE(agreement->ok()) << agreement->detail;
+  // The replay is compared with the tokens it checks: another last token is refused.
+  std::vector<int32_t> altered = generated;
+  altered.back() = (altered.back() + 1) % static_cast<int32_t>(vocab);
+  EXPECT_FALSE(testing::CheckImportedKvAgreementWithRoutingFlips(
+                   g_model->checkpoint->config(), *g_model->checkpoint, ref, prompt, altered)
+                   .ok());
 }
 
 // ------------------------------------------------------------------------------ prefix cache

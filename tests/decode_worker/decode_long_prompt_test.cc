@@ -43,7 +43,6 @@
 namespace hmoe::decode {
 namespace {
 
-using ::hmoe::decode::testing::CheckAgreement;
 using ::hmoe::decode::testing::ScopedTempDir;
 using ::hmoe::testing::ChildOptions;
 using ::hmoe::testing::ChildProcess;

@@ -10,7 +10,8 @@
 // the same prefix, or within the tolerance of it. So every one of the tokens is checked, not only
 // those before a first divergence. The tolerance is the step's derived one where the engine's
 // routing is known (CheckRoutedAgreement, with the score-gap rule for routing flips;
-// docs/conformance.md), else kMarginTolerance.
+// docs/conformance.md), else kMarginTolerance (CheckAgreement; which tests still use it and why
+// it exempts no routing difference: docs/conformance.md "Checks without the engine's routing").
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -30,6 +31,8 @@
 #include <gtest/gtest.h>
 
 #include "common/device/cpu_device.h"
+#include "common/device/device.h"
+#include "common/engine/kv_cache.h"
 #include "common/engine/reference/reference_model.h"
 #include "common/model/checkpoint.h"
 #include "common/model/gguf_source.h"
@@ -345,6 +348,92 @@ inline absl::StatusOr<std::vector<int32_t>> RunEngineWithRouting(
     if (logits != nullptr) logits->push_back((*step)[0]);
   }
   return out;
+}
+
+// CheckRoutedAgreement for a continuation from a KV cache the FP32 reference computed (the tests
+// that hand a reference cache to the decode worker, as a prefill worker would): `tokens` are the
+// first token (the reference's arg-max after `prompt`) and the worker's continuation. The
+// continuation is replayed in process — the reference's cache imported into an engine's KV cache
+// in the hand-off format (KvCache::Import, as the worker imports it), then one token per step
+// with the engine's routing observed — and must reproduce `tokens` (else InternalError). The
+// prompt positions take the reference's own experts (their KV is the reference's, so there is
+// nothing to follow); every later routing difference is checked by the score-gap rule.
+inline absl::StatusOr<Agreement> CheckImportedKvAgreementWithRoutingFlips(
+    const ModelConfig& config, const WeightSource& checkpoint,
+    const reference::ReferenceModel& model, const std::vector<int32_t>& prompt,
+    const std::vector<int32_t>& tokens) {
+  if (tokens.empty()) return absl::InvalidArgumentError("no tokens to check");
+  reference::ReferenceKvCache ref_cache = model.NewCache();
+  reference::ForwardTrace own;
+  own.error_model = ErrorModelFor(model);
+  if (absl::StatusOr<std::vector<float>> l = model.Forward(prompt, ref_cache, &own); !l.ok()) {
+    return l.status();
+  }
+  const auto n = static_cast<int64_t>(prompt.size());
+  EngineRouting routing(config.num_hidden_layers);
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    for (const reference::MoeGateResult& g : own.routing[l]) routing[l].push_back(g.experts);
+  }
+  CpuWorkerPoolOptions pool_options;
+  pool_options.num_nodes = 1;
+  pool_options.threads_per_node = 2;
+  pool_options.pin_threads = false;
+  absl::StatusOr<std::unique_ptr<CpuWorkerPool>> pool = CpuWorkerPool::Create(pool_options);
+  if (!pool.ok()) return pool.status();
+  CpuDeviceOptions device_options;
+  device_options.pool = pool->get();
+  std::unique_ptr<Device> device = NewCpuDevice(device_options);
+  ForwardPassStepEngineOptions options;
+  options.max_step_tokens = 1;
+  options.max_step_sequences = 1;
+  options.kv_block_tokens = 64;
+  options.kv_blocks = (n + static_cast<int64_t>(tokens.size())) / 64 + 2;
+  options.engine.routing_observer = [&](int64_t layer, int64_t count, int64_t k,
+                                        const int32_t* ids) {
+    for (int64_t t = 0; t < count; ++t) routing[layer].emplace_back(ids + t * k, ids + (t + 1) * k);
+  };
+  absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> engine =
+      ForwardPassStepEngine::Create(config, checkpoint, *device, **pool, options);
+  if (!engine.ok()) return engine.status();
+  // The hand-off format (common/kv_handoff): layer-major, per token the latent then the rope key.
+  std::vector<float> flat;
+  for (int64_t l = 0; l < ref_cache.num_layers(); ++l) {
+    for (int64_t t = 0; t < n; ++t) {
+      const auto latent =
+          ref_cache.latent(l).subspan(t * ref_cache.kv_lora_rank(), ref_cache.kv_lora_rank());
+      const auto k_pe = ref_cache.k_pe(l).subspan(t * ref_cache.rope_dim(), ref_cache.rope_dim());
+      flat.insert(flat.end(), latent.begin(), latent.end());
+      flat.insert(flat.end(), k_pe.begin(), k_pe.end());
+    }
+  }
+  KvCache& kv = (*engine)->kv_cache();
+  if (flat.size() * sizeof(float) != kv.ExportBytes(n)) {
+    return absl::InternalError(absl::StrCat("reference cache of ", flat.size() * sizeof(float),
+                                            " bytes, the engine's hand-off format needs ",
+                                            kv.ExportBytes(n)));
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> stream = device->CreateStream();
+  if (!stream.ok()) return stream.status();
+  KvSequence seq = kv.NewSequence();
+  if (absl::Status s = kv.Import(seq, n, **stream, flat.data(), MemorySpace::kHost); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = (*stream)->Synchronize(); !s.ok()) return s;
+  if (absl::Status s = seq.Reserve(n + static_cast<int64_t>(tokens.size())); !s.ok()) return s;
+  for (size_t i = 0; i + 1 < tokens.size(); ++i) {
+    SequenceInput in{&seq, std::span<const int32_t>(&tokens[i], 1), true};
+    absl::StatusOr<std::vector<std::vector<float>>> step =
+        (*engine)->engine().Forward(std::span<const SequenceInput>(&in, 1));
+    if (!step.ok()) return step.status();
+    const std::vector<float>& l = (*step)[0];
+    const auto got = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+    if (got != tokens[i + 1]) {
+      return absl::InternalError(absl::StrCat("the in-process replay gives token ", got,
+                                              " at step ", i + 1, ", the worker gave ",
+                                              tokens[i + 1]));
+    }
+  }
+  return CheckRoutedAgreement(model, prompt, tokens, routing);
 }
 
 // CheckRoutedAgreement for a worker's tokens: the worker's computation is replayed in process

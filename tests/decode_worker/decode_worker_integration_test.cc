@@ -38,7 +38,6 @@
 namespace hmoe::decode {
 namespace {
 
-using ::hmoe::decode::testing::CheckAgreement;
 using ::hmoe::decode::testing::ScopedTempDir;
 using ::hmoe::testing::ChildOptions;
 using ::hmoe::testing::ChildProcess;
@@ -233,13 +232,9 @@ class DecodeWorkerTest : public ::testing::Test {
     std::vector<std::string> weights;  // e.g. {"--model", dir}
     const Checkpoint* checkpoint = nullptr;
     const reference::ReferenceModel* reference = nullptr;
-    // Check with the engine's routing (decode_test_util.h CheckAgreementWithRoutingFlips: the
-    // score-gap rule and the derived tolerances) rather than the fixed kMarginTolerance.
-    bool routed_check = true;
   };
   static Model Tiny() {
-    return {
-        {"--model", g_shared->model}, g_shared->checkpoint.get(), g_shared->reference.get(), true};
+    return {{"--model", g_shared->model}, g_shared->checkpoint.get(), g_shared->reference.get()};
   }
   // The `small` checkpoint: the one HMOE_SMALL_MODEL_DIR names (hmoe-make-model --preset small),
   // else one written into the suite's temp dir (~3 s, 400 MB). Each case takes about a minute
@@ -271,7 +266,7 @@ class DecodeWorkerTest : public ::testing::Test {
         return std::nullopt;
       }
       reference = *std::move(ref);
-      return Model{{"--model", dir}, checkpoint.get(), reference.get(), true};
+      return Model{{"--model", dir}, checkpoint.get(), reference.get()};
     }();
     return small;
   }
@@ -283,18 +278,16 @@ class DecodeWorkerTest : public ::testing::Test {
     ASSERT_TRUE(s.finished) << what;
     EXPECT_EQ(s.finish.reason(), v1::FINISH_REASON_LENGTH) << what;
     ASSERT_EQ(s.tokens.size(), static_cast<size_t>(kTokens)) << what;
-    auto a = model.routed_check
-                 ? testing::CheckAgreementWithRoutingFlips(*model.checkpoint, *model.reference,
-                                                           prompt, s.tokens, chunk_size)
-                 : CheckAgreement(*model.reference, prompt, s.tokens);
+    // With the engine's routing (decode_test_util.h CheckAgreementWithRoutingFlips: the score-gap
+    // rule and the derived tolerances).
+    auto a = testing::CheckAgreementWithRoutingFlips(*model.checkpoint, *model.reference, prompt,
+                                                     s.tokens, chunk_size);
     ASSERT_TRUE(a.ok()) << what << ": " << a.status();
     EXPECT_TRUE(a->ok()) << what << ":" << a->detail;
     ::testing::Test::RecordProperty(what + "_divergences", a->divergences);
     ::testing::Test::RecordProperty(what + "_routing_flips", a->routing_flips);
-    if (model.routed_check) {
-      std::printf("%s: %d of %d steps diverge%s\n", what.c_str(), a->divergences, a->steps,
-                  a->detail.c_str());
-    }
+    std::printf("%s: %d of %d steps diverge%s\n", what.c_str(), a->divergences, a->steps,
+                a->detail.c_str());
   }
 
   // One greedy request of 20 prompt tokens (3 prefill chunks), 64 new tokens.
@@ -569,8 +562,11 @@ TEST_F(DecodeWorkerTest, ImportsAKvHandOffAndAcknowledgesIt) {
   std::vector<int32_t> generated = {first};
   generated.insert(generated.end(), s.tokens.begin(), s.tokens.end());
   ASSERT_EQ(generated.size(), static_cast<size_t>(kTokens));
-  auto a = CheckAgreement(ref, prompt, generated);
-  ASSERT_TRUE(a.ok());
+  // The continuation replayed in process from the same imported cache, with the engine's routing
+  // (the score-gap rule and the derived per-step tolerances, docs/conformance.md).
+  auto a = testing::CheckImportedKvAgreementWithRoutingFlips(
+      g_shared->checkpoint->config(), *g_shared->checkpoint, ref, prompt, generated);
+  ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_TRUE(a->ok()) << a->detail;
   EXPECT_EQ(w->Status().prompt_tokens_prefilled(), 0);
 

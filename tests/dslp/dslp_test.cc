@@ -44,7 +44,8 @@ namespace hmoe {
 namespace {
 
 using decode::testing::Agreement;
-using decode::testing::CheckAgreement;
+using decode::testing::CheckRoutedAgreement;
+using decode::testing::EngineRouting;
 using decode::testing::ScopedTempDir;
 using dslp_test::MakePrompt;
 using dslp_test::RankOutput;
@@ -100,6 +101,8 @@ struct Single {
   std::unique_ptr<Stream> stream;
   // While set, the router's choice of every prefill row: [layer][position][top_k].
   std::vector<int32_t>* routing = nullptr;
+  // While set (Decode), the router's choice of every decoded row, appended per layer.
+  EngineRouting* decode_routing = nullptr;
 
   static std::unique_ptr<Single> Make(const Model& model, int64_t max_tokens) {
     auto s = std::make_unique<Single>();
@@ -115,6 +118,12 @@ struct Single {
     options.experts = ExpertPlacement::kDevice;
     Single* self = s.get();
     options.routing_observer = [self](int64_t layer, int64_t n, int64_t top_k, const int32_t* ids) {
+      if (self->decode_routing != nullptr) {
+        for (int64_t t = 0; t < n; ++t) {
+          (*self->decode_routing)[layer].emplace_back(ids + t * top_k, ids + (t + 1) * top_k);
+        }
+        return;
+      }
       if (self->routing == nullptr) return;
       const int64_t tokens = static_cast<int64_t>(self->routing->size()) /
                              (self->engine->config().num_hidden_layers * top_k);
@@ -151,9 +160,12 @@ struct Single {
   }
 
   // Imports a prompt's KV and decodes greedily from `first` (the token sampled after the
-  // prompt): returns first plus `steps` more tokens.
+  // prompt): returns first plus `steps` more tokens, and the routing of the `steps` decoded
+  // positions in `routing` ([layer][step] = experts; empty for dense layers).
   std::vector<int32_t> Decode(const std::vector<uint8_t>& kv, int64_t prompt_tokens, int32_t first,
-                              int steps) {
+                              int steps, EngineRouting* routing) {
+    routing->assign(engine->config().num_hidden_layers, {});
+    decode_routing = routing;
     KvSequence seq = cache->NewSequence();
     HMOE_CHECK_OK(cache->Import(seq, prompt_tokens, *stream, kv.data(), MemorySpace::kHost));
     HMOE_CHECK_OK(stream->Synchronize());
@@ -166,6 +178,7 @@ struct Single {
       const std::vector<float>& l = (*out)[0];
       tokens.push_back(static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin()));
     }
+    decode_routing = nullptr;
     return tokens;
   }
 };
@@ -197,16 +210,22 @@ const SlpPrefill& SlpPrefillFor(const std::string& preset, Model& model,
   return it->second;
 }
 
+// The score-gap rule and the derived token agreement rule (decode_test_util.h
+// CheckRoutedAgreement) given the routing of every position of prompt + tokens[:-1].
 Agreement AgreementFor(Model& model, const std::vector<int32_t>& prompt,
-                       const std::vector<int32_t>& tokens) {
+                       const std::vector<int32_t>& tokens, const EngineRouting& routing) {
   static auto* const cache =
       new std::map<std::pair<const Model*, std::vector<int32_t>>, Agreement>();
   std::vector<int32_t> key = prompt;
   key.push_back(-1);
   key.insert(key.end(), tokens.begin(), tokens.end());
+  for (const auto& layer : routing) {
+    key.push_back(-2);
+    for (const auto& experts : layer) key.insert(key.end(), experts.begin(), experts.end());
+  }
   auto it = cache->find({&model, key});
   if (it != cache->end()) return it->second;
-  auto agreement = CheckAgreement(*model.reference, prompt, tokens);
+  auto agreement = CheckRoutedAgreement(*model.reference, prompt, tokens, routing);
   HMOE_CHECK_OK(agreement.status());
   return cache->emplace(std::make_pair(&model, key), *agreement).first->second;
 }
@@ -447,10 +466,31 @@ TEST_P(DslpAgreementTest, MatchesSingleWorkerSlpAndDecodesUnderTheAgreementRule)
               std::sqrt(sq / slp_logits.size()), ArgMax(r0.logits), ArgMax(slp_logits));
   for (int r = 1; r < c.world; ++r) EXPECT_TRUE(outputs[r]->prefills[0].logits.empty());
 
-  // The first token and 32 decoded tokens, from the DSLP cache, under the agreement rule.
+  // The first token and 32 decoded tokens, from the DSLP cache, under the agreement rule with
+  // the routing of both sides (the score-gap rule, docs/conformance.md): the prompt positions
+  // take the DSLP ranks' experts, the decoded ones the engine's.
+  EngineRouting routing;
   const std::vector<int32_t> tokens =
-      SingleFor(c.preset, model).Decode(r0.kv, c.prompt_len, ArgMax(r0.logits), kDecodeSteps);
-  const Agreement agreement = AgreementFor(model, prompt, tokens);
+      SingleFor(c.preset, model)
+          .Decode(r0.kv, c.prompt_len, ArgMax(r0.logits), kDecodeSteps, &routing);
+  {
+    const std::vector<int32_t> dslp_routing = MergedRouting(outputs, 0);
+    const int64_t top_k = config.num_experts_per_tok;
+    ASSERT_EQ(static_cast<int64_t>(dslp_routing.size()),
+              config.num_hidden_layers * c.prompt_len * top_k);
+    for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+      if (!config.is_moe_layer(l)) continue;
+      std::vector<std::vector<int32_t>> prompt_rows;
+      for (int64_t t = 0; t < c.prompt_len; ++t) {
+        const auto row = dslp_routing.begin() + (l * c.prompt_len + t) * top_k;
+        prompt_rows.emplace_back(row, row + top_k);
+        ASSERT_GE(*std::min_element(row, row + top_k), 0)
+            << "DSLP routing of layer " << l << " position " << t << " not observed";
+      }
+      routing[l].insert(routing[l].begin(), prompt_rows.begin(), prompt_rows.end());
+    }
+  }
+  const Agreement agreement = AgreementFor(model, prompt, tokens, routing);
   EXPECT_TRUE(agreement.ok()) << agreement.detail;
   std::printf("[ DSLP ] %d tokens: %d divergent (worst margin %.3f)%s\n", agreement.steps,
               agreement.divergences, agreement.worst_margin, agreement.detail.c_str());

@@ -1,13 +1,16 @@
 #pragma once
 
 // Shared fixtures of the engine tests: the tiny checkpoint written once per process, a 2-thread
-// pool, an engine "rig", comparison helpers and the tolerances (see engine_test.cc).
+// pool, an engine "rig" (which records the engine's routing of what it runs), comparison helpers
+// and ExpectLastLogitsMatchReference, the check against the FP32 reference under its error model
+// and the score-gap rule (docs/conformance.md).
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -31,8 +34,6 @@
 
 namespace hmoe::engine_test {
 
-constexpr double kLogitTolerance = 0.03;
-
 inline double Rms(const std::vector<float>& v) {
   double s = 0.0;
   for (float x : v) s += static_cast<double>(x) * x;
@@ -48,20 +49,8 @@ inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& 
   return m;
 }
 
-// max |a - b| relative to RMS(reference).
-inline double RelMaxDiff(const std::vector<float>& got, const std::vector<float>& ref) {
-  return MaxAbsDiff(got, ref) / std::max(Rms(ref), 1e-12);
-}
-
 inline int32_t ArgMax(const std::vector<float>& v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
-}
-
-// Top-1 minus top-2 logit.
-inline double TopMargin(const std::vector<float>& v) {
-  std::vector<float> s = v;
-  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
-  return s[0] - s[1];
 }
 
 inline std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab) {
@@ -113,18 +102,42 @@ inline Model& Tiny() {
 
 inline CpuWorkerPool& Pool() { return ::hmoe::testing::TestCpuPool(); }
 
+// The engine's routing of one sequence: [layer][position] = its experts, sorted; empty for dense
+// layers.
+using EngineRouting = std::vector<std::vector<std::vector<int32_t>>>;
+
 // Everything one engine needs.
 struct Rig {
   std::unique_ptr<Device> device;
   std::unique_ptr<ResidentWeights> weights;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<KvCache> cache;
+  // Unless the caller passes its own EngineOptions::routing_observer: the engine's routing of every
+  // position each sequence ran through Run (positions in order; a sequence that starts empty
+  // starts a new record). Not for sequences run through engine->Forward directly.
+  std::map<const KvSequence*, EngineRouting> routing;
+  const KvSequence* running = nullptr;  // the sequence of the Run in progress
 
   static std::unique_ptr<Rig> Make(const Model& model, EngineOptions options = {},
                                    int64_t num_blocks = 64, int64_t block_size = 16,
                                    ResidentWeightsOptions weight_options = {},
                                    CpuDeviceOptions device_options = {}) {
     auto rig = std::make_unique<Rig>();
+    if (!options.routing_observer) {
+      Rig* self = rig.get();
+      const int64_t layers = model.checkpoint->config().num_hidden_layers;
+      options.routing_observer = [self, layers](int64_t layer, int64_t n, int64_t top_k,
+                                                const int32_t* ids) {
+        if (self->running == nullptr) return;
+        EngineRouting& r = self->routing[self->running];
+        r.resize(layers);
+        for (int64_t t = 0; t < n; ++t) {
+          std::vector<int32_t> set(ids + t * top_k, ids + (t + 1) * top_k);
+          std::sort(set.begin(), set.end());
+          r[layer].push_back(std::move(set));
+        }
+      };
+    }
     if (device_options.pool == nullptr) device_options.pool = &Pool();
     rig->device = NewCpuDevice(device_options);
     const ModelConfig& config = model.checkpoint->config();
@@ -147,21 +160,75 @@ struct Rig {
 
   // Runs one input and returns its logits.
   std::vector<float> Run(KvSequence& seq, std::span<const int32_t> tokens) {
+    if (seq.num_tokens() == 0) routing.erase(&seq);
     SequenceInput in{&seq, tokens, true};
+    running = &seq;
     auto out = engine->Forward(std::span<const SequenceInput>(&in, 1));
+    running = nullptr;
     EXPECT_TRUE(out.ok()) << out.status();
     if (!out.ok()) return {};
     return (*out)[0];
   }
 };
 
-// Reference logits of the last token after running `tokens` (fresh cache).
-inline std::vector<float> ReferenceLast(const Model& model, std::span<const int32_t> tokens) {
+// The engine's logits `got` of the last of `tokens`, all of which `seq` ran through rig.Run (so
+// their routing is recorded), against the FP32 reference under its error model
+// (docs/conformance.md "Routing flips: the score-gap rule", "The error model and the
+// tolerances"): the reference runs `tokens` following the engine's experts where they differ,
+// each such difference must be a near-tie (SelectionGap() below gap_tolerance), and every logit
+// difference l[best] - l[v] of the engine (best = the reference's arg-max) must be within
+// ReferenceModel::LogitPairTolerance of the reference's; nothing is exempted.
+inline void ExpectLastLogitsMatchReference(const Model& model, const Rig& rig,
+                                           const KvSequence& seq, std::span<const int32_t> tokens,
+                                           const std::vector<float>& got) {
+  const ModelConfig& config = model.checkpoint->config();
+  const auto n = static_cast<int64_t>(tokens.size());
+  ASSERT_EQ(seq.num_tokens(), n) << "the sequence ran other tokens";
+  const auto it = rig.routing.find(&seq);
+  ASSERT_NE(it, rig.routing.end()) << "no routing recorded (a caller's observer, or not Run)";
+  const EngineRouting& routing = it->second;
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (!config.is_moe_layer(l)) continue;
+    ASSERT_EQ(static_cast<int64_t>(routing[l].size()), n) << "engine routing of layer " << l;
+  }
+  reference::ForwardTrace trace;
+  trace.follow_routing = [&](int64_t l, int64_t p) -> const std::vector<int32_t>* {
+    return &routing[l][p];
+  };
   reference::ReferenceKvCache cache = model.reference->NewCache();
-  auto logits = model.reference->Forward(tokens, cache);
-  EXPECT_TRUE(logits.ok()) << logits.status();
-  const int64_t vocab = model.checkpoint->config().vocab_size;
-  return std::vector<float>(logits->end() - vocab, logits->end());
+  auto ref = model.reference->Forward(tokens, cache, &trace);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  int flips = 0;
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    if (!config.is_moe_layer(l)) continue;
+    for (int64_t p = 0; p < n; ++p) {
+      const reference::MoeGateResult& g = trace.routing[l][p];
+      if (!g.followed) continue;
+      ++flips;
+      EXPECT_LT(g.SelectionGap(), trace.gap_tolerance[l][p])
+          << "position " << p << " layer " << l << ": the engine routed differently where the "
+          << "reference has no near-tie";
+    }
+  }
+  const int64_t vocab = config.vocab_size;
+  ASSERT_EQ(static_cast<int64_t>(got.size()), vocab);
+  const float* r = ref->data() + (n - 1) * vocab;
+  const int32_t best = static_cast<int32_t>(std::max_element(r, r + vocab) - r);
+  int beyond = 0;
+  double worst = 0.0;
+  for (int32_t v = 0; v < vocab; ++v) {
+    if (v == best) continue;
+    const double d =
+        (static_cast<double>(got[best]) - got[v]) - (static_cast<double>(r[best]) - r[v]);
+    const double tol = model.reference->LogitPairTolerance(trace, n - 1, best, v);
+    worst = std::max(worst, std::abs(d) / tol);
+    if (!(std::abs(d) < tol) && beyond++ < 5) {
+      ADD_FAILURE() << "logits " << best << " - " << v << " differ from the reference's by " << d
+                    << ", tolerance " << tol;
+    }
+  }
+  EXPECT_EQ(beyond, 0) << "logit pairs beyond the error model's tolerance (worst " << worst
+                       << " of it; " << flips << " routing flips followed)";
 }
 
 }  // namespace hmoe::engine_test
