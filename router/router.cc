@@ -383,10 +383,15 @@ absl::StatusOr<RouteDecision> Router::Route(const std::vector<int32_t>& prompt,
     });
     if (prefill_clients_ != nullptr) in.prefill_workers = registry_->Live(WorkerKind::kPrefill);
     in.dslp_allowed = dslp_allowed;
-    if (use_prefix_cache && hint == PathHintKind::kAuto && prompt_tokens >= 2 &&
+    // Ask the decode workers' prefix caches when the answer can change the decision (several
+    // decode workers, or a prompt long enough for a prefill worker) or what a prefill worker
+    // computes (SLP, hinted: it then prefills only the uncached suffix).
+    const bool auto_may_use =
+        hint == PathHintKind::kAuto &&
         (in.decode_workers.size() >= 2 ||
-         (!in.prefill_workers.empty() &&
-          prompt_tokens >= options_.policy.chunk_threshold_tokens))) {
+         (!in.prefill_workers.empty() && prompt_tokens >= options_.policy.chunk_threshold_tokens));
+    const bool slp_may_use = hint == PathHintKind::kSlp && !in.prefill_workers.empty();
+    if (use_prefix_cache && prompt_tokens >= 2 && (auto_may_use || slp_may_use)) {
       in.cached_tokens = CachedPrefixes(prompt, in.decode_workers);
     }
     in.now = clock_->Now();

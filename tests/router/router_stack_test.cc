@@ -673,6 +673,7 @@ TEST_F(RouterStackTest, APrefixCacheHitGivesTheTokensOfRecomputingOnEveryPath) {
   add("m1", Prompt(70, 15));
   // 700 tokens of p1 (its blocks of 64: 10 whole ones and 60 rows of the 11th) and 300 new ones.
   add("s1", with(std::vector<int32_t>(p1.begin(), p1.begin() + 700), Prompt(300, 20)));
+  add("s2", with(std::vector<int32_t>(p1.begin(), p1.begin() + 700), Prompt(50, 21)));
   EXPECT_EQ(stack->DecodeStatus().prefix_cache_blocks(), 0) << "cache-off requests were cached";
 
   // Chunked first: the second request reuses all 1,000 tokens.
@@ -703,6 +704,12 @@ TEST_F(RouterStackTest, APrefixCacheHitGivesTheTokensOfRecomputingOnEveryPath) {
   EXPECT_EQ(s1.tokens, off["s1"]);
   EXPECT_EQ(stack->DecodeStatus().prefix_cache_exports(), 1);
   EXPECT_EQ(stack->DecodeStatus().prefix_cache_exported_tokens(), 700);
+  // A prompt hinted to SLP does the same, however short its suffix.
+  Stream s2 = run("s2", prompts["s2"], v1::PATH_HINT_SLP, true);
+  EXPECT_EQ(s2.finish.timing().path(), v1::PATH_SLP);
+  EXPECT_EQ(s2.finish.usage().cached_prompt_tokens(), 700);
+  EXPECT_EQ(s2.tokens, off["s2"]);
+  EXPECT_EQ(stack->DecodeStatus().prefix_cache_exports(), 2);
 
   // DSLP first: its ring attention rounds differently, so its KV stays out of the cache; the
   // second request misses and recomputes (on a prefill worker: long, decode active).
@@ -729,19 +736,19 @@ TEST_F(RouterStackTest, APrefixCacheHitGivesTheTokensOfRecomputingOnEveryPath) {
     EXPECT_EQ(streams[i].finish.usage().cached_prompt_tokens(), batch[i][0] == 'h' ? 1000 : 0)
         << batch[i];
   }
-  // Hits: b1, b2, the six's four, and s1's import (its 700 cached tokens shared, only the 300
-  // new rows copied from the hand-off).
+  // Hits: b1, b2, the six's four, and the imports of s1 and s2 (their 700 cached tokens shared,
+  // only the new rows copied from the hand-off).
   const decode::v1::WorkerStatus st = stack->DecodeStatus();
-  EXPECT_EQ(st.prefix_cache_hits(), 7);
-  EXPECT_EQ(st.prefix_cache_hit_tokens(), 6700);
+  EXPECT_EQ(st.prefix_cache_hits(), 8);
+  EXPECT_EQ(st.prefix_cache_hit_tokens(), 7400);
   EXPECT_GT(st.prefix_cache_tokens(), 2000);
   // The router's status carries the worker's figures from its heartbeats.
   bool seen = false;
   for (int i = 0; i < 50 && !seen; ++i) {
     const v1::RouterStatus status = stack->client().Status();
     for (const v1::WorkerInfo& w : status.workers()) {
-      seen = seen || (w.worker_id() == "decode-0" && w.prefix_cache_hits() == 7 &&
-                      w.prefix_cache_hit_tokens() == 6700);
+      seen = seen || (w.worker_id() == "decode-0" && w.prefix_cache_hits() == 8 &&
+                      w.prefix_cache_hit_tokens() == 7400);
     }
     if (!seen) absl::SleepFor(absl::Milliseconds(100));
   }
