@@ -45,7 +45,7 @@ run() {  # run NAME SEED CACHE
   local t c p
   t=$(ttft_ms prefix_cache_ttft "$OUT/$1.out")
   c=$(grep -o '([0-9]* cached)' "$OUT/$1.out" | tr -dc 0-9)
-  p=$(grep -o 'path [A-Z_]*' "$OUT/$1.out" | head -1 | cut -d' ' -f2)
+  p=$(grep -m1 -o 'path [A-Z_]*' "$OUT/$1.out" | cut -d' ' -f2)
   echo "$1 $t ${c:-0} ${p:-?}"
 }
 COLD=$(run cold 2 true) || exit 1
