@@ -463,7 +463,8 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
       const double ttft = Ttft(c);
       report.calibration.push_back({tokens, ttft});
       log(absl::StrFormat("calibration: %d tokens, TTFT %.2f s (target %.1f s), path %s", tokens,
-                          ttft, o.target_s, c.path));
+                          ttft, o.target_s,
+                          c.protocol == "http" ? "not available over HTTP" : c.path));
       if (std::abs(ttft - o.target_s) <= 0.15 * o.target_s) break;
       const int64_t next = std::clamp<int64_t>(
           static_cast<int64_t>(std::llround(static_cast<double>(tokens) * o.target_s / ttft)), 16,
