@@ -92,12 +92,12 @@ class GrpcBenchClient final : public BenchClient {
 // the prompt as token ids, max_tokens, temperature 0, ignore_eos, cache_prompt, stream and
 // stream_options.include_usage, and reads the server-sent events. token_s holds the arrival of
 // each event carrying text (an event may carry several tokens, and a token without text makes no
-// event; when none has text, the finish event's), output_tokens is usage.completion_tokens, cached_prompt_tokens is
-// usage.prompt_tokens_details.cached_tokens. The path hint cannot be sent (only AUTO is
-// accepted: the caller checks); path, workers, attempts and the router's Timing stay empty. The
-// model's vocabulary and context and the router's status come from the gRPC API at `grpc_addr`.
-// Keep-alive connections are pooled (one per request in flight); a request's start is taken when
-// it is written, so a new connection's set-up is not part of its times.
+// event; when none has text, the finish event's), output_tokens is usage.completion_tokens,
+// cached_prompt_tokens is usage.prompt_tokens_details.cached_tokens. The path hint cannot be sent
+// (only AUTO is accepted: the caller checks); path, workers, attempts and the router's Timing stay
+// empty. The model's vocabulary and context and the router's status come from the gRPC API at
+// `grpc_addr`. Keep-alive connections are pooled (one per request in flight); a request's start is
+// taken when it is written, so a new connection's set-up is not part of its times.
 class HttpBenchClient final : public BenchClient {
  public:
   HttpBenchClient(const std::string& grpc_addr, std::string http_addr, double timeout_s);
