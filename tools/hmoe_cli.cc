@@ -9,7 +9,8 @@
 //   hmoe http-bench --addr ... --http-addr 127.0.0.1:8000 --samples 200 --streams 64
 //       (scripts/http_bench.sh: TTFT over HTTP vs gRPC, concurrent SSE streams)
 //   hmoe bench --addr ... [--rate R | --arrival closed --concurrency C] [--scenario all] --json F
-//     (docs/bench.md; the command lives in tools/bench/)
+//       [--protocol http --http-addr HOST:PORT]   (docs/bench.md; the command lives in
+//       tools/bench/)
 //   hmoe calibrate --addr ... --calibration node.json [--lengths 64,128,...] [--batch-sizes 1,2,4]
 //     (docs/bench.md "Calibration"; then hmoe deploy ... --calibration node.json)
 // Flags accept dashes or underscores. `generate` streams tokens (text when the router has a
@@ -47,9 +48,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include <boost/asio.hpp>
-#include <boost/beast/core.hpp>
-#include <boost/beast/http.hpp>
 #include <grpcpp/grpcpp.h>
 
 #include "common/base/flags.h"
@@ -59,6 +57,7 @@
 #include "tools/bench/bench_command.h"
 #include "tools/bench/calibrate_command.h"
 #include "tools/bench/calibration.h"
+#include "tools/bench/http_client.h"
 #include "tools/deploy_config.h"
 
 #include <nlohmann/json.hpp>
@@ -121,7 +120,8 @@ ABSL_FLAG(double, burst_every_s, 30, "load: a burst every this many seconds (0: 
 ABSL_FLAG(int, burst_size, 100, "load: requests sent at once in a burst");
 ABSL_FLAG(int, long_tokens, 600, "load: long prompts have half to all of this many tokens");
 // http-bench
-ABSL_FLAG(std::string, http_addr, "127.0.0.1:8000", "http-bench: the router's HTTP address");
+ABSL_FLAG(std::string, http_addr, "127.0.0.1:8000",
+          "http-bench, bench --protocol http: the router's HTTP address (its --http-listen)");
 ABSL_FLAG(int, samples, 200, "http-bench: sequential requests per protocol for the TTFT figures");
 ABSL_FLAG(int, streams, 64, "http-bench: concurrent SSE streams (0: skip)");
 ABSL_FLAG(int, stream_tokens, 32, "http-bench: max_tokens of each concurrent stream");
@@ -483,90 +483,49 @@ int Load(v1::Hmoe::Stub* stub) {
 // (the detokenizer holds an incomplete character to the end), the end of the stream in both. Then
 // --streams concurrent SSE streams, each on its own connection, all released at once; every one
 // must end with [DONE] after a finish reason.
-namespace asio = boost::asio;
-namespace beast = boost::beast;
-namespace bhttp = boost::beast::http;
-using tcp = asio::ip::tcp;
-
 struct StreamResult {
   std::string error;  // empty: the stream ended with a finish reason and [DONE]
   double ttft_ms = -1;
   int completion_tokens = 0;
 };
 
+// One keep-alive connection (tools/bench/http_client.h) and the checks of http-bench's streams.
 class SseClient {
  public:
-  absl::Status Connect(const std::string& host_port) {
-    const size_t colon = host_port.rfind(':');
-    if (colon == std::string::npos) {
-      return absl::InvalidArgumentError("--http-addr: expected HOST:PORT");
-    }
-    host_ = host_port;
-    beast::error_code ec;
-    tcp::resolver resolver(io_);
-    auto endpoints = resolver.resolve(host_port.substr(0, colon), host_port.substr(colon + 1), ec);
-    if (!ec) asio::connect(socket_, endpoints, ec);
-    if (!ec) socket_.set_option(tcp::no_delay(true), ec);
-    if (ec) {
-      return absl::UnavailableError(absl::StrCat("connect to ", host_port, ": ", ec.message()));
-    }
-    return absl::OkStatus();
-  }
+  absl::Status Connect(const std::string& host_port) { return http_.Connect(host_port); }
 
   // POSTs `body` (a streaming request) to `path` and reads the event stream to its end.
   StreamResult Stream(const std::string& path, const std::string& body) {
     StreamResult result;
-    bhttp::request<bhttp::string_body> req{bhttp::verb::post, path, 11};
-    req.set(bhttp::field::host, host_);
-    req.set(bhttp::field::content_type, "application/json");
-    req.body() = body;
-    req.prepare_payload();
-    bhttp::response_parser<bhttp::string_body> parser;
-    parser.body_limit(64 << 20);
-    std::string pending;
     bool finished = false, done = false;
     absl::Time t0;
-    std::function<size_t(std::uint64_t, beast::string_view, beast::error_code&)> on_chunk =
-        [&](std::uint64_t, beast::string_view data, beast::error_code&) -> size_t {
+    auto on_data = [&](absl::string_view payload) {
       const absl::Time now = absl::Now();
-      pending.append(data.data(), data.size());
-      for (size_t end; (end = pending.find("\n\n")) != std::string::npos;
-           pending.erase(0, end + 2)) {
-        const absl::string_view event = absl::string_view(pending).substr(0, end);
-        absl::string_view payload = event;
-        if (!absl::ConsumePrefix(&payload, "data: ")) continue;
-        if (payload == "[DONE]") {
-          done = true;
-          continue;
-        }
-        const nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
-        if (j.is_discarded() || j.contains("error")) {
-          result.error = std::string(payload);
-          continue;
-        }
-        if (j.contains("usage") && j["usage"].is_object()) {
-          result.completion_tokens = j["usage"].value("completion_tokens", 0);
-        }
-        if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) continue;
-        const nlohmann::json& choice = j["choices"][0];
-        // The first event: text, or the end when no token had text.
-        if (result.ttft_ms < 0) result.ttft_ms = absl::ToDoubleMilliseconds(now - t0);
-        if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) {
-          finished = true;
-        }
+      if (payload == "[DONE]") {
+        done = true;
+        return;
       }
-      return data.size();
+      const nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
+      if (j.is_discarded() || j.contains("error")) {
+        result.error = std::string(payload);
+        return;
+      }
+      if (j.contains("usage") && j["usage"].is_object()) {
+        result.completion_tokens = j["usage"].value("completion_tokens", 0);
+      }
+      if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) return;
+      const nlohmann::json& choice = j["choices"][0];
+      // The first event: text, or the end when no token had text.
+      if (result.ttft_ms < 0) result.ttft_ms = absl::ToDoubleMilliseconds(now - t0);
+      if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) {
+        finished = true;
+      }
     };
-    parser.on_chunk_body(on_chunk);
-    beast::error_code ec;
-    t0 = absl::Now();
-    bhttp::write(socket_, req, ec);
-    if (!ec) bhttp::read_header(socket_, buffer_, parser, ec);
-    while (!ec && !parser.is_done()) bhttp::read_some(socket_, buffer_, parser, ec);
-    if (ec) {
-      result.error = absl::StrCat("HTTP: ", ec.message());
-    } else if (parser.get().result_int() != 200) {
-      result.error = absl::StrCat("HTTP ", parser.get().result_int(), ": ", parser.get().body());
+    const hmoe::bench::HttpResponse r = http_.Post(path, body, on_data, [&] { t0 = absl::Now(); });
+    if (!r.transport_error.empty()) {
+      result.error = absl::StrCat("HTTP: ", r.transport_error);
+    } else if (r.status != 200) {
+      result.error = absl::StrCat("HTTP ", r.status, ": ", r.body);
     } else if (result.error.empty() && !(finished && done)) {
       result.error = "the stream ended without a finish reason and [DONE]";
     }
@@ -574,10 +533,7 @@ class SseClient {
   }
 
  private:
-  asio::io_context io_;
-  tcp::socket socket_{io_};
-  beast::flat_buffer buffer_;
-  std::string host_;
+  hmoe::bench::HttpClient http_;
 };
 
 std::string CompletionBody(const std::vector<int32_t>& ids, int max_tokens) {

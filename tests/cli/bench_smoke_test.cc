@@ -1,8 +1,9 @@
 // `hmoe bench` against the real service on the tiny checkpoint (issue 21 acceptance 1, the CI
 // smoke run): hmoe-weightd + hmoe-decode-worker + hmoe-router as child processes (as
 // tests/router/router_stack_test.cc starts them), then `hmoe bench` as a child: 10 requests of an
-// open-loop load and the five scenarios at toy sizes, each JSON document parsed and checked
-// against docs/bench.md's schema and against what was asked. Bad flags exit 2 before any RPC.
+// open-loop load and the five scenarios at toy sizes, the same load and 1P+1D over the OpenAI HTTP
+// API (--protocol http), and `hmoe http-bench`, each JSON document parsed and checked against
+// docs/bench.md's schema and against what was asked. Bad flags exit 2 before any RPC.
 
 #include <unistd.h>
 
@@ -91,6 +92,10 @@ TEST(BenchSmokeTest, BadFlagsExitTwoWithAMessage) {
       {{"--scenario", "1X"}, "--scenario"},
       {{"--slo-tpot", "0s"}, "--slo-tpot"},
       {{"--hint", "fast"}, "--hint"},
+      {{"--protocol", "websocket"}, "--protocol"},
+      {{"--protocol", "http", "--http-addr", "localhost"}, "--http-addr"},
+      {{"--protocol", "http", "--http-addr", "127.0.0.1:1", "--turns", "2"}, "--turns"},
+      {{"--protocol", "http", "--http-addr", "127.0.0.1:1", "--hint", "slp"}, "--hint"},
   };
   for (const auto& [args, want] : cases) {
     std::vector<std::string> a = args;
@@ -113,6 +118,7 @@ TEST(BenchSmokeTest, BadFlagsExitTwoWithAMessage) {
       {{file, "--batch-sizes=0"}, "--batch-sizes"},
       {{file, "--repeats=0"}, "--repeats"},
       {{file, "--step-tokens=1"}, "--step-tokens"},
+      {{file, "--protocol=http"}, "--protocol"},
   };
   for (const auto& [args, want] : calibrate_cases) {
     std::vector<std::string> a = args;
@@ -251,6 +257,8 @@ class Stack {
               "--model=" + model,
               "--registry-socket=" + d + "/r.sock",
               "--port-file=" + d + "/port",
+              "--http-listen=127.0.0.1:0",
+              "--http-port-file=" + d + "/http_port",
               "--drain-seconds=5"};
     r.stderr_path = d + "/router.log";
     ChildProcess* router = Spawn(std::move(r));
@@ -261,6 +269,12 @@ class Stack {
       return false;
     }
     addr = absl::StrCat("127.0.0.1:", port);
+    const int http_port = ReadPort(d + "/http_port");
+    if (http_port <= 0) {
+      ADD_FAILURE() << router->ReadStderr();
+      return false;
+    }
+    http_addr = absl::StrCat("127.0.0.1:", http_port);
     if (!WaitLive(addr, prefill_workers)) {
       ADD_FAILURE() << "workers did not register: " << router->ReadStderr();
       return false;
@@ -277,6 +291,7 @@ class Stack {
 
   std::string model;
   std::string addr;
+  std::string http_addr;  // the OpenAI-compatible API (--http-listen)
 
  private:
   ChildProcess* Spawn(ChildOptions o) {
@@ -314,6 +329,28 @@ void CheckRequest(const json& r, bool measured) {
   // The router's own TTFT is inside the client's (the router sees the request later and the
   // token earlier).
   EXPECT_LE(r["server"]["ttft_s"].get<double>(), ttft + 1e-3);
+}
+
+// A request sent over the OpenAI HTTP API (--protocol http): the same fields, the ones HTTP does
+// not carry null; output tokens from usage (forced by ignore_eos), inter-event gaps no more than
+// the tokens allow (an event carries one or more tokens).
+void CheckHttpRequest(const json& r) {
+  for (const char* key :
+       {"index", "warmup", "status", "start_s", "end_s", "prompt_tokens", "max_new_tokens",
+        "output_tokens", "ttft_s", "tpot_s", "e2e_s", "itl_s", "finish_reason", "path",
+        "worker_ids", "attempts", "server", "cached_prompt_tokens"}) {
+    ASSERT_TRUE(r.contains(key)) << key << " in " << r.dump();
+  }
+  EXPECT_EQ(r["status"], "OK") << r.dump();
+  EXPECT_EQ(r["finish_reason"], "length");
+  EXPECT_EQ(r["output_tokens"], r["max_new_tokens"]);
+  EXPECT_LE(r["itl_s"].size() + 1, r["output_tokens"].get<size_t>());
+  for (const char* key : {"path", "worker_ids", "attempts", "server"}) {
+    EXPECT_TRUE(r[key].is_null()) << key << " in " << r.dump();
+  }
+  const double ttft = r["ttft_s"].get<double>();
+  EXPECT_GT(ttft, 0);
+  EXPECT_GE(r["e2e_s"].get<double>(), ttft);
 }
 
 void CheckDistribution(const json& d, int64_t count) {
@@ -375,6 +412,51 @@ TEST(BenchSmokeTest, TenRequestsAndTheScenariosOnTiny) {
   CheckDistribution(s["e2e_s"], 10);
   CheckDistribution(s["tpot_s"], 10);  // every output length >= 2
   EXPECT_EQ(s["itl_s"]["count"], tokens - 10);
+
+  // --- the same load over the OpenAI HTTP API (--protocol http): /v1/completions, streamed.
+  const std::string http_json = d + "/http.json";
+  ran = Bench(d, "http",
+              {"--addr=" + addr, "--protocol=http", "--http-addr=" + stack.http_addr,
+               "--requests=10", "--warmup=1", "--rate=20", "--prompt-len=uniform:4:64",
+               "--output-len=uniform:2:24", "--seed=5", "--json=" + http_json});
+  ASSERT_EQ(ran.code, 0) << ran.err;
+  EXPECT_NE(ran.out.find("requests 10 (10 ok, 0 failed)"), std::string::npos) << ran.out;
+  EXPECT_NE(ran.out.find("not available over HTTP"), std::string::npos) << ran.out;
+  json hdoc;
+  ASSERT_NO_THROW(hdoc = json::parse(ReadFile(http_json)));
+  EXPECT_EQ(hdoc["schema"], "hmoe-bench/1");
+  EXPECT_EQ(hdoc["mode"], "load");
+  EXPECT_EQ(hdoc["protocol"], "http");
+  EXPECT_EQ(hdoc["http_addr"], stack.http_addr);
+  EXPECT_EQ(hdoc["server"]["vocab_size"], 1024);
+  ASSERT_EQ(hdoc["requests"].size(), 11u);
+  int64_t http_tokens = 0;
+  for (size_t i = 0; i < hdoc["requests"].size(); ++i) {
+    const json& q = hdoc["requests"][i];
+    CheckHttpRequest(q);
+    // The same seed plans the same requests as the gRPC run.
+    EXPECT_EQ(q["prompt_tokens"], doc["requests"][i]["prompt_tokens"]);
+    EXPECT_EQ(q["max_new_tokens"], doc["requests"][i]["max_new_tokens"]);
+    if (!q["warmup"].get<bool>()) http_tokens += q["output_tokens"].get<int64_t>();
+  }
+  EXPECT_EQ(http_tokens, tokens);
+  const json& hs = hdoc["summary"];
+  EXPECT_EQ(hs["requests"], 10);
+  EXPECT_EQ(hs["succeeded"], 10);
+  EXPECT_EQ(hs["output_tokens"], tokens);
+  CheckDistribution(hs["ttft_s"], 10);
+  CheckDistribution(hs["e2e_s"], 10);
+
+  // `hmoe http-bench` shares the HTTP client (tools/bench/http_client.h): a few interleaved
+  // pairs and concurrent streams, each of which must end with a finish reason and [DONE].
+  ran = Hmoe("http-bench", d, "http-bench",
+             {"--addr=" + addr, "--http-addr=" + stack.http_addr, "--samples=4", "--streams=4",
+              "--stream-tokens=6", "--max-new-tokens=3"});
+  ASSERT_EQ(ran.code, 0) << ran.out << ran.err;
+  EXPECT_NE(
+      ran.out.find("4 concurrent SSE streams (max_tokens 6): 4 completed, 0 errors, 24 tokens"),
+      std::string::npos)
+      << ran.out;
 
   // --- a multi-turn chat (issue 23): 3 conversations of 3 turns, closed loop; each later turn
   // resends the history, so the decode worker's prefix cache supplies all of it but the last
@@ -440,6 +522,24 @@ TEST(BenchSmokeTest, TenRequestsAndTheScenariosOnTiny) {
     EXPECT_EQ(q["output_tokens"], q["role"] == "P" ? 4 : 12) << q.dump();
   }
   EXPECT_NE(ran.out.find("1P+2D"), std::string::npos) << ran.out;
+
+  // Scenarios over HTTP: 1P+1D (with its baselines), once.
+  const std::string hscen_json = d + "/http_scenarios.json";
+  ran = Bench(
+      d, "hscen",
+      {"--addr=" + addr, "--protocol=http", "--http-addr=" + stack.http_addr, "--scenario=1P+1D",
+       "--prefill-tokens=64", "--decode-new-tokens=12", "--repeats=1", "--json=" + hscen_json});
+  ASSERT_EQ(ran.code, 0) << ran.err;
+  ASSERT_NO_THROW(doc = json::parse(ReadFile(hscen_json)));
+  EXPECT_EQ(doc["protocol"], "http");
+  ASSERT_EQ(doc["scenarios"]["results"].size(), 3u);
+  // 1 warm-up + 1 + 1 + 2 scenario requests.
+  ASSERT_EQ(doc["requests"].size(), 5u);
+  for (const json& q : doc["requests"]) {
+    CheckHttpRequest(q);
+    if (q["warmup"]) continue;
+    EXPECT_EQ(q["output_tokens"], q["role"] == "P" ? 4 : 12) << q.dump();
+  }
 
   // `hmoe calibrate` needs a prefill worker to measure SLP: exit 1 saying so, no file.
   ran = Calibrate(d, "calib-noprefill", {"--addr=" + addr, "--calibration=" + d + "/node.json"});

@@ -4,10 +4,12 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <memory>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -26,6 +28,7 @@ ABSL_DECLARE_FLAG(std::string, hint);
 ABSL_DECLARE_FLAG(double, timeout_s);
 ABSL_DECLARE_FLAG(int, concurrency);
 ABSL_DECLARE_FLAG(int, burst_size);
+ABSL_DECLARE_FLAG(std::string, http_addr);
 
 ABSL_FLAG(std::string, arrival, "poisson",
           "bench: poisson (open loop at --rate), burst (--burst-size at once, at --rate on "
@@ -57,6 +60,10 @@ ABSL_FLAG(int64_t, decode_new_tokens, 480, "bench --scenario: forced tokens of a
 ABSL_FLAG(int, turns, 1,
           "bench: turns per conversation; > 1 makes each request a conversation whose turns "
           "resend the history (prompt, answer, a new --prompt-len message), as chat clients do");
+ABSL_FLAG(std::string, protocol, "grpc",
+          "bench: grpc (the router's gRPC API at --addr) or http (its OpenAI-compatible "
+          "/v1/completions at --http-addr, streamed; --addr still gives the model's vocabulary "
+          "and context); calibrate: grpc only");
 ABSL_FLAG(int, repeats, 3,
           "bench --scenario: repetitions of each scenario; calibrate: measurements of each path "
           "per length and of each batch size");
@@ -93,6 +100,11 @@ absl::StatusOr<std::vector<ScenarioShape>> Scenarios(const std::string& flag) {
   return shapes;
 }
 
+constexpr char kHttpNote[] =
+    "over HTTP: TPOT = (last text event - first) / (usage tokens - 1); ITL are gaps between SSE "
+    "events (an event may carry several tokens); path, workers, attempts and the router's timing: "
+    "not available over HTTP\n";
+
 int Usage(const absl::Status& s) {
   std::cerr << "bench: " << s.message() << "\n";
   return 2;
@@ -108,6 +120,32 @@ int RunBenchCommand(const std::vector<std::string>& argv) {
   slo.tpot_s = absl::ToDoubleSeconds(absl::GetFlag(FLAGS_slo_tpot));
   if (!(slo.ttft_s > 0) || !(slo.tpot_s > 0)) {
     return Usage(absl::InvalidArgumentError("--slo-ttft and --slo-tpot must be > 0"));
+  }
+  const std::string protocol = absl::GetFlag(FLAGS_protocol);
+  if (protocol != "grpc" && protocol != "http") {
+    return Usage(absl::InvalidArgumentError(
+        absl::StrCat("--protocol: grpc or http, got \"", protocol, "\"")));
+  }
+  const bool http = protocol == "http";
+  const std::string http_addr = absl::GetFlag(FLAGS_http_addr);
+  if (http) {
+    const size_t colon = http_addr.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == http_addr.size()) {
+      return Usage(absl::InvalidArgumentError(absl::StrCat(
+          "--protocol http needs --http-addr HOST:PORT (the router's --http-listen), got \"",
+          http_addr, "\"")));
+    }
+    // The OpenAI API has no path hint and returns text, not token ids.
+    if (*hint != v1::PATH_HINT_AUTO) {
+      return Usage(absl::InvalidArgumentError(
+          "--hint: the HTTP API takes no path hint; use --protocol grpc for --hint " +
+          absl::GetFlag(FLAGS_hint)));
+    }
+    if (absl::GetFlag(FLAGS_turns) > 1) {
+      return Usage(absl::InvalidArgumentError(
+          "--turns > 1 needs the answers' token ids for the next turn's prompt, which the HTTP "
+          "API does not return: use --protocol grpc"));
+    }
   }
   const std::string json_path = absl::GetFlag(FLAGS_json);
   const std::string addr = absl::GetFlag(FLAGS_addr);
@@ -184,7 +222,19 @@ int RunBenchCommand(const std::vector<std::string>& argv) {
     }
   }
 
-  BenchClient client(addr, absl::GetFlag(FLAGS_timeout_s));
+  std::unique_ptr<BenchClient> client_holder;
+  if (http) {
+    client_holder =
+        std::make_unique<HttpBenchClient>(addr, http_addr, absl::GetFlag(FLAGS_timeout_s));
+  } else {
+    client_holder = std::make_unique<GrpcBenchClient>(addr, absl::GetFlag(FLAGS_timeout_s));
+  }
+  BenchClient& client = *client_holder;
+  doc["protocol"] = protocol;
+  if (http) {
+    doc["http_addr"] = http_addr;
+    doc["not_available_over_http"] = {"path", "worker_ids", "attempts", "server"};
+  }
   const absl::StatusOr<v1::ModelInfo> info = client.ModelInfo();
   if (!info.ok()) {
     std::cerr << "bench: " << info.status().message() << "\n";
@@ -223,6 +273,7 @@ int RunBenchCommand(const std::vector<std::string>& argv) {
                      {"hint", absl::GetFlag(FLAGS_hint)}};
     doc["scenarios"] = ScenariosJson(*report);
     std::cout << ScenariosText(*report);
+    if (http) std::cout << kHttpNote;
     requests = std::move(report->requests);
   } else {
     requests = RunLoad(client, *info, load);
@@ -244,6 +295,7 @@ int RunBenchCommand(const std::vector<std::string>& argv) {
     const PrefixCacheSummary cache = SummarizePrefixCache(requests);
     doc["summary"]["prefix_cache"] = PrefixCacheJson(cache);
     std::cout << SummaryText(summary, slo) << PrefixCacheText(cache);
+    if (http) std::cout << kHttpNote;
   }
   nlohmann::json list = nlohmann::json::array();
   for (const RequestResult& r : requests) list.push_back(RequestJson(r));

@@ -48,7 +48,7 @@ nlohmann::json RequestJson(const RequestResult& r) {
                       {"end_s", Num(r.end_s)},
                       {"prompt_tokens", r.prompt_tokens},
                       {"max_new_tokens", r.max_new_tokens},
-                      {"output_tokens", static_cast<int64_t>(r.token_s.size())},
+                      {"output_tokens", OutputTokens(r)},
                       {"ttft_s", Num(Ttft(r))},
                       {"tpot_s", Num(Tpot(r))},
                       {"e2e_s", Num(E2e(r))},
@@ -62,6 +62,10 @@ nlohmann::json RequestJson(const RequestResult& r) {
                         {"tpot_s", r.server_tpot_s},
                         {"total_s", r.server_total_s}}},
                       {"cached_prompt_tokens", r.cached_prompt_tokens}};
+  if (r.protocol == "http") {
+    // Not available over HTTP: null, not zeros that would read as measurements.
+    for (const char* key : {"path", "worker_ids", "attempts", "server"}) j[key] = nullptr;
+  }
   if (r.conversation >= 0) {
     j["conversation"] = r.conversation;
     j["turn"] = r.turn;

@@ -18,6 +18,8 @@
 
 #include "common/rpc/grpc_status.h"
 
+#include <nlohmann/json.hpp>
+
 namespace hmoe::bench {
 namespace {
 
@@ -49,12 +51,12 @@ double Mean(const std::vector<double>& v) {
 
 }  // namespace
 
-BenchClient::BenchClient(const std::string& addr, double timeout_s)
+GrpcBenchClient::GrpcBenchClient(const std::string& addr, double timeout_s)
     : channel_(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials())),
       stub_(v1::Hmoe::NewStub(channel_)),
       timeout_s_(timeout_s) {}
 
-absl::StatusOr<v1::ModelInfo> BenchClient::ModelInfo() {
+absl::StatusOr<v1::ModelInfo> GrpcBenchClient::ModelInfo() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
   v1::ModelInfo info;
@@ -66,7 +68,7 @@ absl::StatusOr<v1::ModelInfo> BenchClient::ModelInfo() {
   return info;
 }
 
-absl::StatusOr<v1::RouterStatus> BenchClient::RouterStatus() {
+absl::StatusOr<v1::RouterStatus> GrpcBenchClient::RouterStatus() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
   v1::RouterStatus st;
@@ -78,8 +80,8 @@ absl::StatusOr<v1::RouterStatus> BenchClient::RouterStatus() {
   return st;
 }
 
-RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
-                               Clock::time_point origin) {
+RequestResult GrpcBenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
+                                   Clock::time_point origin) {
   RequestResult r;
   r.prompt_tokens = static_cast<int64_t>(request.prompt.size());
   r.max_new_tokens = request.max_new_tokens;
@@ -122,6 +124,145 @@ RequestResult BenchClient::Run(const PlannedRequest& request, v1::PathHint hint,
     r.server_tpot_s = static_cast<double>(t.tpot_us()) * 1e-6;
     r.server_total_s = static_cast<double>(t.total_us()) * 1e-6;
     r.cached_prompt_tokens = finished.usage().cached_prompt_tokens();
+  }
+  return r;
+}
+
+std::string CompletionRequestBody(const PlannedRequest& request) {
+  // As GrpcBenchClient's request: greedy (the HTTP API's default temperature is 1), forced length,
+  // the prefix cache on.
+  return nlohmann::json{{"prompt", request.prompt},
+                        {"max_tokens", request.max_new_tokens},
+                        {"temperature", 0},
+                        {"ignore_eos", true},
+                        {"cache_prompt", true},
+                        {"stream", true},
+                        {"stream_options", {{"include_usage", true}}}}
+      .dump();
+}
+
+void ApplyCompletionEvent(absl::string_view data, double now_s, RequestResult& r,
+                          CompletionEvents& e) {
+  if (data == "[DONE]") {
+    e.done = true;
+    return;
+  }
+  const nlohmann::json j = nlohmann::json::parse(data, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    if (e.error_type.empty()) {
+      e.error_type = "bad_event";
+      e.error_message = absl::StrCat("an event that is not a JSON object: ", data.substr(0, 200));
+    }
+    return;
+  }
+  if (const auto err = j.find("error"); err != j.end()) {
+    e.error_type = "server_error";
+    e.error_message = err->dump();
+    if (err->is_object()) {
+      if (const auto t = err->find("type"); t != err->end() && t->is_string()) {
+        e.error_type = t->get<std::string>();
+      }
+      if (const auto m = err->find("message"); m != err->end() && m->is_string()) {
+        e.error_message = m->get<std::string>();
+      }
+    }
+    return;
+  }
+  if (const auto u = j.find("usage"); u != j.end() && u->is_object()) {
+    e.usage = true;
+    r.counted_tokens = u->value("completion_tokens", int64_t{0});
+    if (const auto d = u->find("prompt_tokens_details"); d != u->end() && d->is_object()) {
+      r.cached_prompt_tokens = d->value("cached_tokens", int64_t{0});
+    }
+  }
+  const auto choices = j.find("choices");
+  if (choices == j.end() || !choices->is_array() || choices->empty()) return;
+  const nlohmann::json& choice = (*choices)[0];
+  if (const auto text = choice.find("text");
+      text != choice.end() && text->is_string() && !text->get_ref<const std::string&>().empty()) {
+    r.token_s.push_back(now_s);
+  }
+  if (const auto f = choice.find("finish_reason"); f != choice.end() && f->is_string()) {
+    r.finish_reason = f->get<std::string>();
+    // No token had text (the detokenizer held everything): the end is the first arrival.
+    if (r.token_s.empty()) r.token_s.push_back(now_s);
+  }
+}
+
+HttpBenchClient::HttpBenchClient(const std::string& grpc_addr, std::string http_addr,
+                                 double timeout_s)
+    : grpc_(grpc_addr, timeout_s), http_addr_(std::move(http_addr)) {}
+
+HttpBenchClient::~HttpBenchClient() = default;
+
+RequestResult HttpBenchClient::Run(const PlannedRequest& request, v1::PathHint,
+                                   Clock::time_point origin) {
+  RequestResult r;
+  r.protocol = "http";
+  r.prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  r.max_new_tokens = request.max_new_tokens;
+  const std::string body = CompletionRequestBody(request);
+  r.token_s.reserve(request.max_new_tokens);
+  // A pooled connection the server has closed fails before any answer: then once more on a new
+  // one.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::unique_ptr<HttpClient> conn;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!idle_.empty()) {
+        conn = std::move(idle_.back());
+        idle_.pop_back();
+      }
+    }
+    const bool reused = conn != nullptr;
+    if (!reused) {
+      conn = std::make_unique<HttpClient>();
+      if (absl::Status c = conn->Connect(http_addr_); !c.ok()) {
+        r.start_s = r.end_s = Since(origin, Clock::now());
+        r.status = "NO_RESPONSE";
+        r.message = std::string(c.message());
+        return r;
+      }
+    }
+    r.token_s.clear();
+    r.counted_tokens = -1;
+    r.finish_reason.clear();
+    r.cached_prompt_tokens = 0;
+    CompletionEvents e;
+    const HttpResponse resp = conn->Post(
+        "/v1/completions", body,
+        [&](absl::string_view data) {
+          ApplyCompletionEvent(data, Since(origin, Clock::now()), r, e);
+        },
+        [&] { r.start_s = Since(origin, Clock::now()); });
+    r.end_s = Since(origin, Clock::now());
+    if (reused && resp.status == 0 && attempt == 0) continue;
+    if (!resp.transport_error.empty()) {
+      r.status = resp.status == 0 ? "NO_RESPONSE" : "INCOMPLETE";
+      r.message = resp.transport_error;
+    } else if (resp.status != 200) {
+      r.status = absl::StrCat("HTTP ", resp.status);
+      r.message = resp.body;
+      nlohmann::json j = nlohmann::json::parse(resp.body, nullptr, false);
+      if (j.is_object() && j.contains("error") && j["error"].is_object() &&
+          j["error"].contains("message") && j["error"]["message"].is_string()) {
+        r.message = j["error"]["message"].get<std::string>();
+      }
+    } else if (!e.error_type.empty()) {
+      r.status = absl::StrCat("HTTP error event: ", e.error_type);
+      r.message = e.error_message;
+    } else if (!e.done || !e.usage || r.finish_reason.empty()) {
+      r.status = "INCOMPLETE";
+      r.message = "the event stream ended without a finish reason, usage and [DONE]";
+    } else {
+      r.status = "OK";
+      r.ok = true;
+    }
+    if (resp.transport_error.empty() && resp.keep_alive) {
+      std::lock_guard<std::mutex> l(mu_);
+      idle_.push_back(std::move(conn));
+    }
+    break;
   }
   return r;
 }
@@ -322,7 +463,8 @@ absl::StatusOr<ScenarioReport> RunScenarios(BenchClient& client, const v1::Model
       const double ttft = Ttft(c);
       report.calibration.push_back({tokens, ttft});
       log(absl::StrFormat("calibration: %d tokens, TTFT %.2f s (target %.1f s), path %s", tokens,
-                          ttft, o.target_s, c.path));
+                          ttft, o.target_s,
+                          c.protocol == "http" ? "not available over HTTP" : c.path));
       if (std::abs(ttft - o.target_s) <= 0.15 * o.target_s) break;
       const int64_t next = std::clamp<int64_t>(
           static_cast<int64_t>(std::llround(static_cast<double>(tokens) * o.target_s / ttft)), 16,

@@ -1,14 +1,17 @@
 #pragma once
 
-// `hmoe bench`'s runs against a router's public gRPC API (docs/bench.md): an open- or closed-loop
-// load (RunLoad) and the paper's concurrency scenarios 1P, 1D, 1P+1D, 2D, 1P+2D (RunScenarios).
-// Every request is timed on the client (steady clock): send, each streamed token, end of stream;
-// the router's own Timing (queue, TTFT, path, workers, attempts) is kept next to it.
+// `hmoe bench`'s runs against a router's public API (docs/bench.md): an open- or closed-loop load
+// (RunLoad) and the paper's concurrency scenarios 1P, 1D, 1P+1D, 2D, 1P+2D (RunScenarios). Every
+// request is timed on the client (steady clock): send, each streamed token, end of stream. Over
+// gRPC (GrpcBenchClient) the router's own Timing (queue, TTFT, path, workers, attempts) is kept
+// next to it; over the OpenAI HTTP API (HttpBenchClient: /v1/completions with server-sent events)
+// the times are per event and the router's Timing is not available.
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,6 +20,7 @@
 
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "tools/bench/bench_stats.h"
+#include "tools/bench/http_client.h"
 #include "tools/bench/workload.h"
 
 namespace hmoe::bench {
@@ -28,10 +32,15 @@ struct RequestResult : RequestRecord {
   int repeat = 0;        //   the repetition
   char role = 0;         //   'P' or 'D'; 0 for a load run or calibration
   int64_t max_new_tokens = 0;
-  std::string status;         // gRPC status code name ("OK", "RESOURCE_EXHAUSTED", ...)
+  std::string protocol = "grpc";  // "grpc" or "http" (HttpBenchClient)
+  // gRPC: the status code name ("OK", "RESOURCE_EXHAUSTED", ...); HTTP: "OK", "HTTP <code>" for
+  // another status than 200, "HTTP error event: <type>" for an error event inside the stream,
+  // "NO_RESPONSE" when the exchange failed, "INCOMPLETE" for a stream without a finish reason,
+  // usage or [DONE].
+  std::string status;
   std::string message;        // the status message when not OK
   std::string finish_reason;  // "length", "eos", ... ("" when no Finished message came)
-  std::string path;           // "chunked", "slp", "dslp" ("" when unknown)
+  std::string path;           // "chunked", "slp", "dslp" ("" when unknown; always over HTTP)
   std::vector<std::string> worker_ids;
   int attempts = 0;
   // The router's Timing, in seconds.
@@ -45,26 +54,80 @@ struct RequestResult : RequestRecord {
   // otherwise.
   int64_t conversation = -1;
   int turn = 0;
-  // The streamed token ids (the next turn's prompt includes them).
+  // The streamed token ids (the next turn's prompt includes them; gRPC only).
   std::vector<int32_t> tokens;
 };
 
-// A client of one router; thread-safe (one gRPC channel, a call per request).
+// Where the requests of a run go; thread-safe.
 class BenchClient {
  public:
-  BenchClient(const std::string& addr, double timeout_s);
-  absl::StatusOr<v1::ModelInfo> ModelInfo();
-  absl::StatusOr<v1::RouterStatus> RouterStatus();
-  // Sends one request (ignore_eos: it generates exactly max_new_tokens unless it fails) and
-  // records it, with times relative to `origin`.
+  virtual ~BenchClient() = default;
+  virtual absl::StatusOr<v1::ModelInfo> ModelInfo() = 0;
+  virtual absl::StatusOr<v1::RouterStatus> RouterStatus() = 0;
+  // Sends one request (ignore_eos: it generates exactly max_new_tokens unless it fails; greedy;
+  // the prefix cache on) and records it, with times relative to `origin`.
+  virtual RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
+                            std::chrono::steady_clock::time_point origin) = 0;
+  // Whether the records carry the streamed token ids (multi-turn runs need them).
+  virtual bool StreamsTokenIds() const = 0;
+};
+
+// The router's gRPC API: one channel, a call per request.
+class GrpcBenchClient final : public BenchClient {
+ public:
+  GrpcBenchClient(const std::string& addr, double timeout_s);
+  absl::StatusOr<v1::ModelInfo> ModelInfo() override;
+  absl::StatusOr<v1::RouterStatus> RouterStatus() override;
   RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
-                    std::chrono::steady_clock::time_point origin);
+                    std::chrono::steady_clock::time_point origin) override;
+  bool StreamsTokenIds() const override { return true; }
 
  private:
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Hmoe::Stub> stub_;
   double timeout_s_;
 };
+
+// The router's OpenAI-compatible HTTP API (docs/api.md): each request POSTs /v1/completions with
+// the prompt as token ids, max_tokens, temperature 0, ignore_eos, cache_prompt, stream and
+// stream_options.include_usage, and reads the server-sent events. token_s holds the arrival of
+// each event carrying text (an event may carry several tokens, and a token without text makes no
+// event; when none has text, the finish event's), output_tokens is usage.completion_tokens,
+// cached_prompt_tokens is usage.prompt_tokens_details.cached_tokens. The path hint cannot be sent
+// (only AUTO is accepted: the caller checks); path, workers, attempts and the router's Timing stay
+// empty. The model's vocabulary and context and the router's status come from the gRPC API at
+// `grpc_addr`. Keep-alive connections are pooled (one per request in flight); a request's start is
+// taken when it is written, so a new connection's set-up is not part of its times.
+class HttpBenchClient final : public BenchClient {
+ public:
+  HttpBenchClient(const std::string& grpc_addr, std::string http_addr, double timeout_s);
+  ~HttpBenchClient() override;
+  absl::StatusOr<v1::ModelInfo> ModelInfo() override { return grpc_.ModelInfo(); }
+  absl::StatusOr<v1::RouterStatus> RouterStatus() override { return grpc_.RouterStatus(); }
+  RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
+                    std::chrono::steady_clock::time_point origin) override;
+  bool StreamsTokenIds() const override { return false; }
+
+ private:
+  GrpcBenchClient grpc_;
+  const std::string http_addr_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<HttpClient>> idle_;  // guarded by mu_
+};
+
+// The body HttpBenchClient POSTs for `request` (exposed for tests).
+std::string CompletionRequestBody(const PlannedRequest& request);
+// What the events of one /v1/completions stream said besides `RequestResult`'s fields.
+struct CompletionEvents {
+  bool done = false;       // "[DONE]" came
+  bool usage = false;      // the usage chunk came
+  std::string error_type;  // an error event's error.type ("" when none)
+  std::string error_message;
+};
+// Folds one event's data into `r` and `e` (exposed for tests): the arrival `now_s` of an event
+// with text, finish_reason, usage (output and cached tokens), an error event, [DONE].
+void ApplyCompletionEvent(absl::string_view data, double now_s, RequestResult& r,
+                          CompletionEvents& e);
 
 struct LoadOptions {
   ArrivalSpec arrival;
@@ -79,7 +142,7 @@ struct LoadOptions {
   // its answer and a new message of `prompt` tokens, with `output` new tokens (a chat whose
   // history is resent every turn, as OpenAI clients do). Turns of a conversation run one after
   // another; the arrival spec places conversations. A conversation ends early when its next turn
-  // would not fit the context or a turn fails.
+  // would not fit the context or a turn fails. Needs a client that StreamsTokenIds().
   int turns = 1;
 };
 // Warm-up requests first (marked warmup), then the measured ones.

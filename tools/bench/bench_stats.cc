@@ -45,6 +45,10 @@ Distribution Describe(std::span<const double> values) {
   return d;
 }
 
+int64_t OutputTokens(const RequestRecord& r) {
+  return r.counted_tokens >= 0 ? r.counted_tokens : static_cast<int64_t>(r.token_s.size());
+}
+
 double Ttft(const RequestRecord& r) {
   return r.token_s.empty() ? kNaN : r.token_s.front() - r.start_s;
 }
@@ -52,8 +56,9 @@ double Ttft(const RequestRecord& r) {
 double E2e(const RequestRecord& r) { return r.end_s - r.start_s; }
 
 double Tpot(const RequestRecord& r) {
-  if (r.token_s.size() < 2) return kNaN;
-  return (r.token_s.back() - r.token_s.front()) / static_cast<double>(r.token_s.size() - 1);
+  const int64_t n = OutputTokens(r);
+  if (r.token_s.size() < 2 || n < 2) return kNaN;
+  return (r.token_s.back() - r.token_s.front()) / static_cast<double>(n - 1);
 }
 
 std::vector<double> InterTokenGaps(const RequestRecord& r) {
@@ -65,7 +70,8 @@ std::vector<double> InterTokenGaps(const RequestRecord& r) {
 bool MeetsSlo(const RequestRecord& r, const Slo& slo) {
   if (!r.ok || r.token_s.empty()) return false;
   if (!(Ttft(r) <= slo.ttft_s)) return false;
-  return r.token_s.size() < 2 || Tpot(r) <= slo.tpot_s;
+  const double tpot = Tpot(r);
+  return std::isnan(tpot) || tpot <= slo.tpot_s;
 }
 
 Summary Summarize(std::span<const RequestRecord> records, const Slo& slo) {
@@ -87,10 +93,10 @@ Summary Summarize(std::span<const RequestRecord> records, const Slo& slo) {
       continue;
     }
     ++s.succeeded;
-    s.output_tokens += static_cast<int64_t>(r.token_s.size());
+    s.output_tokens += OutputTokens(r);
     s.prompt_tokens += r.prompt_tokens;
     if (!r.token_s.empty()) ttft.push_back(Ttft(r));
-    if (r.token_s.size() >= 2) tpot.push_back(Tpot(r));
+    if (const double t = Tpot(r); !std::isnan(t)) tpot.push_back(t);
     const std::vector<double> gaps = InterTokenGaps(r);
     itl.insert(itl.end(), gaps.begin(), gaps.end());
     e2e.push_back(E2e(r));

@@ -36,17 +36,22 @@ struct RequestRecord {
   bool ok = false;              // the call ended with status OK
   double start_s = 0;           // the call was made
   double end_s = 0;             // the stream ended
-  std::vector<double> token_s;  // arrival time of each streamed token
+  std::vector<double> token_s;  // arrival time of each streamed token (or event, see below)
+  // The generated tokens when the stream does not bring one message per token (HTTP: events carry
+  // text, one or more tokens, and usage counts them); -1: token_s.size().
+  int64_t counted_tokens = -1;
   int64_t prompt_tokens = 0;
   bool warmup = false;  // left out of the summary
 };
 
 // Per-request metrics derived from a record (NaN where undefined).
+//   output tokens: counted_tokens when >= 0, else token_s.size();
 //   ttft: first token - start (NaN without tokens);
 //   e2e: end - start;
-//   itl: the gaps between consecutive tokens (n - 1 of them for n tokens);
-//   tpot: the mean of the gaps = (last token - first token) / (n - 1) (NaN with fewer than two
-//   tokens).
+//   itl: the gaps between consecutive entries of token_s (tokens, or HTTP events);
+//   tpot: (last token - first token) / (n - 1) with n the output tokens (NaN with fewer than two
+//   tokens or fewer than two entries of token_s); for one entry per token, the mean of the gaps.
+int64_t OutputTokens(const RequestRecord& r);
 double Ttft(const RequestRecord& r);
 double E2e(const RequestRecord& r);
 double Tpot(const RequestRecord& r);
@@ -59,8 +64,8 @@ struct Slo {
 };
 
 // A request meets the SLOs when it succeeded, streamed at least one token, its TTFT <= ttft_s and
-// its TPOT <= tpot_s (a request with a single token has no TPOT and meets that part). Bounds are
-// inclusive.
+// its TPOT <= tpot_s (a request without a TPOT, e.g. of a single token, meets that part). Bounds
+// are inclusive.
 bool MeetsSlo(const RequestRecord& r, const Slo& slo);
 
 struct Summary {
@@ -69,7 +74,7 @@ struct Summary {
   int64_t failed = 0;
   // From the first measured request's start to the last measured request's end (0 without any).
   double duration_s = 0;
-  int64_t output_tokens = 0;      // streamed tokens of the succeeded requests
+  int64_t output_tokens = 0;      // output tokens of the succeeded requests
   int64_t prompt_tokens = 0;      // prompt tokens of the succeeded requests
   double request_throughput = 0;  // succeeded / duration_s (requests/s)
   double output_throughput = 0;   // output_tokens / duration_s (tokens/s)

@@ -33,6 +33,7 @@ ABSL_DECLARE_FLAG(std::string, calibration);
 ABSL_DECLARE_FLAG(std::string, label);
 ABSL_DECLARE_FLAG(int, repeats);
 ABSL_DECLARE_FLAG(int64_t, decode_prompt_tokens);
+ABSL_DECLARE_FLAG(std::string, protocol);
 
 ABSL_FLAG(std::string, lengths, "32,64,128,256,512,1024,2048",
           "calibrate: prompt lengths (comma-separated) at which chunked and SLP TTFT are measured");
@@ -77,6 +78,13 @@ nlohmann::json LoadAverage() {
 }  // namespace
 
 int RunCalibrateCommand(const std::vector<std::string>& argv) {
+  if (const std::string protocol = absl::GetFlag(FLAGS_protocol); protocol != "grpc") {
+    // Calibration forces each request's path (path_hint), which only the gRPC API carries.
+    return Usage(absl::InvalidArgumentError(
+        absl::StrCat("--protocol ", protocol,
+                     ": calibrate speaks gRPC only (it forces each request's path "
+                     "with the path hint, which the HTTP API does not take)")));
+  }
   const std::string path = absl::GetFlag(FLAGS_calibration);
   if (path.empty()) {
     return Usage(absl::InvalidArgumentError(
@@ -121,7 +129,7 @@ int RunCalibrateCommand(const std::vector<std::string>& argv) {
   } remove_tmp{tmp};
 
   const std::string addr = absl::GetFlag(FLAGS_addr);
-  BenchClient client(addr, absl::GetFlag(FLAGS_timeout_s));
+  GrpcBenchClient client(addr, absl::GetFlag(FLAGS_timeout_s));
   const absl::StatusOr<v1::ModelInfo> info = client.ModelInfo();
   if (!info.ok()) {
     std::cerr << "calibrate: " << info.status().message() << "\n";
