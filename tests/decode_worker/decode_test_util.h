@@ -291,6 +291,27 @@ inline absl::StatusOr<Agreement> CheckRoutedAgreement(const reference::Reference
   return a;
 }
 
+// A two-thread unpinned CPU worker pool and a CpuDevice over it (the pool outlives the device:
+// declared first).
+struct CpuRig {
+  std::unique_ptr<CpuWorkerPool> pool;
+  std::unique_ptr<Device> device;
+};
+inline absl::StatusOr<CpuRig> MakeCpuRig() {
+  CpuWorkerPoolOptions pool_options;
+  pool_options.num_nodes = 1;
+  pool_options.threads_per_node = 2;
+  pool_options.pin_threads = false;
+  absl::StatusOr<std::unique_ptr<CpuWorkerPool>> pool = CpuWorkerPool::Create(pool_options);
+  if (!pool.ok()) return pool.status();
+  CpuRig rig;
+  rig.pool = *std::move(pool);
+  CpuDeviceOptions device_options;
+  device_options.pool = rig.pool.get();
+  rig.device = NewCpuDevice(device_options);
+  return rig;
+}
+
 // Runs the engine as the decode worker's scheduler runs a request — `prompt` in chunks of
 // `chunk_size`, then one token per step (the engine's results do not depend on what else shares
 // a step) — with its expert routing observed into `routing`. Each step feeds forced[i] when
@@ -302,15 +323,10 @@ inline absl::StatusOr<std::vector<int32_t>> RunEngineWithRouting(
     const std::vector<int32_t>* forced, int64_t new_tokens, int64_t chunk_size,
     EngineRouting* routing, std::vector<std::vector<float>>* logits = nullptr) {
   if (forced != nullptr) new_tokens = static_cast<int64_t>(forced->size());
-  CpuWorkerPoolOptions pool_options;
-  pool_options.num_nodes = 1;
-  pool_options.threads_per_node = 2;
-  pool_options.pin_threads = false;
-  absl::StatusOr<std::unique_ptr<CpuWorkerPool>> pool = CpuWorkerPool::Create(pool_options);
-  if (!pool.ok()) return pool.status();
-  CpuDeviceOptions device_options;
-  device_options.pool = pool->get();
-  std::unique_ptr<Device> device = NewCpuDevice(device_options);
+  absl::StatusOr<CpuRig> rig = MakeCpuRig();
+  if (!rig.ok()) return rig.status();
+  std::unique_ptr<CpuWorkerPool>& pool = rig->pool;
+  std::unique_ptr<Device>& device = rig->device;
   routing->assign(config.num_hidden_layers, {});
   ForwardPassStepEngineOptions options;
   options.max_step_tokens = chunk_size + 1;
@@ -321,7 +337,7 @@ inline absl::StatusOr<std::vector<int32_t>> RunEngineWithRouting(
     for (int64_t t = 0; t < n; ++t) (*routing)[layer].emplace_back(ids + t * k, ids + (t + 1) * k);
   };
   absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> engine =
-      ForwardPassStepEngine::Create(config, checkpoint, *device, **pool, options);
+      ForwardPassStepEngine::Create(config, checkpoint, *device, *pool, options);
   if (!engine.ok()) return engine.status();
   KvSequence seq = (*engine)->kv_cache().NewSequence();
   std::vector<int32_t> out;
@@ -374,15 +390,10 @@ inline absl::StatusOr<Agreement> CheckImportedKvAgreementWithRoutingFlips(
   for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
     for (const reference::MoeGateResult& g : own.routing[l]) routing[l].push_back(g.experts);
   }
-  CpuWorkerPoolOptions pool_options;
-  pool_options.num_nodes = 1;
-  pool_options.threads_per_node = 2;
-  pool_options.pin_threads = false;
-  absl::StatusOr<std::unique_ptr<CpuWorkerPool>> pool = CpuWorkerPool::Create(pool_options);
-  if (!pool.ok()) return pool.status();
-  CpuDeviceOptions device_options;
-  device_options.pool = pool->get();
-  std::unique_ptr<Device> device = NewCpuDevice(device_options);
+  absl::StatusOr<CpuRig> rig = MakeCpuRig();
+  if (!rig.ok()) return rig.status();
+  std::unique_ptr<CpuWorkerPool>& pool = rig->pool;
+  std::unique_ptr<Device>& device = rig->device;
   ForwardPassStepEngineOptions options;
   options.max_step_tokens = 1;
   options.max_step_sequences = 1;
@@ -393,7 +404,7 @@ inline absl::StatusOr<Agreement> CheckImportedKvAgreementWithRoutingFlips(
     for (int64_t t = 0; t < count; ++t) routing[layer].emplace_back(ids + t * k, ids + (t + 1) * k);
   };
   absl::StatusOr<std::unique_ptr<ForwardPassStepEngine>> engine =
-      ForwardPassStepEngine::Create(config, checkpoint, *device, **pool, options);
+      ForwardPassStepEngine::Create(config, checkpoint, *device, *pool, options);
   if (!engine.ok()) return engine.status();
   // The hand-off format (common/kv_handoff): layer-major, per token the latent then the rope key.
   std::vector<float> flat;
