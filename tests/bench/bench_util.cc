@@ -16,6 +16,7 @@
 #pragma GCC diagnostic pop
 
 #include "common/base/logging.h"
+#include "common/kernels/cpu/fp8_gemv_internal.h"
 
 namespace hmoe::bench {
 namespace {
@@ -184,6 +185,40 @@ __attribute__((noipa, target("avx2,avxvnni"))) float PeakInt8AvxVnni(int64_t ite
   return static_cast<float>(_mm_cvtsi128_si32(_mm256_castsi256_si128(acc[0])));
 }
 
+// TDPBF16PS only: the 8 tiles configured 16 rows x 64 bytes, 4 independent accumulators (C tiles
+// 0-3 from A tiles 4/5 and B tiles 6/7), kPeakAcc instructions per iteration. The tiles hold
+// whatever the zeroing gives (zeros): the timing does not depend on the values.
+float PeakAmxBf16(int64_t iters) {
+  struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+  asm volatile(
+      "tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3\n\t"
+      "tilezero %%tmm4\n\ttilezero %%tmm5\n\ttilezero %%tmm6\n\ttilezero %%tmm7" ::);
+  static_assert(kPeakAcc == 12);
+  for (int64_t it = 0; it < iters; ++it) {
+    asm volatile(
+        "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\ttdpbf16ps %%tmm7, %%tmm4, %%tmm1\n\t"
+        "tdpbf16ps %%tmm6, %%tmm5, %%tmm2\n\ttdpbf16ps %%tmm7, %%tmm5, %%tmm3\n\t"
+        "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\ttdpbf16ps %%tmm7, %%tmm4, %%tmm1\n\t"
+        "tdpbf16ps %%tmm6, %%tmm5, %%tmm2\n\ttdpbf16ps %%tmm7, %%tmm5, %%tmm3\n\t"
+        "tdpbf16ps %%tmm6, %%tmm4, %%tmm0\n\ttdpbf16ps %%tmm7, %%tmm4, %%tmm1\n\t"
+        "tdpbf16ps %%tmm6, %%tmm5, %%tmm2\n\ttdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::);
+  }
+  alignas(64) float out[16 * 16];
+  asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(out), "r"(64L) : "memory");
+  // The kernels cache the configuration they loaded last on this thread: it is gone now.
+  cpu::internal::AmxLoadedConfig() = 0;
+  return out[0];
+}
+
 }  // namespace
 
 HugeBuffer::HugeBuffer(size_t bytes) : bytes_(bytes) {
@@ -342,6 +377,8 @@ const char* MixName(Mix m) {
       return "int8_dot_vpdpbusd_zmm";
     case Mix::kInt8DotAvxVnni:
       return "int8_dot_vpdpbusd_ymm";
+    case Mix::kBf16TileAmx:
+      return "amx_bf16";
   }
   return "?";
 }
@@ -359,6 +396,8 @@ bool MixSupported(Mix m) {
       return __builtin_cpu_supports("avx512vnni");
     case Mix::kInt8DotAvxVnni:
       return __builtin_cpu_supports("avxvnni");
+    case Mix::kBf16TileAmx:
+      return cpu::CpuSupports(cpu::CpuIsa::kAmx);  // also asks the OS for the tile state
   }
   return false;
 }
@@ -376,6 +415,8 @@ double OpsPerInstruction(Mix m) {
       return 128;  // 16 lanes x 4 products
     case Mix::kInt8DotAvxVnni:
       return 64;  // 8 lanes x 4 products
+    case Mix::kBf16TileAmx:
+      return 16 * 16 * 32 * 2;  // 16 rows x 16 columns x 32 products
   }
   return 0;
 }
@@ -392,6 +433,8 @@ float RunPeakLoop(Mix m, int64_t iters) {
       return PeakInt8Avx512(iters);
     case Mix::kInt8DotAvxVnni:
       return PeakInt8AvxVnni(iters);
+    case Mix::kBf16TileAmx:
+      return PeakAmxBf16(iters);
   }
   return 0;
 }
@@ -399,6 +442,8 @@ float RunPeakLoop(Mix m, int64_t iters) {
 // The instruction mix of an FP8 GEMV variant's inner loop.
 Mix MixOf(cpu::CpuIsa isa) {
   switch (isa) {
+    case cpu::CpuIsa::kAmx:
+      return Mix::kBf16TileAmx;
     case cpu::CpuIsa::kAvx512Bf16:
       return Mix::kBf16DotAvx512;
     case cpu::CpuIsa::kAvx512:
@@ -409,7 +454,7 @@ Mix MixOf(cpu::CpuIsa isa) {
 }
 
 Mix Int8MixOf(cpu::CpuIsa isa) {
-  if (isa == cpu::CpuIsa::kAvx512 || isa == cpu::CpuIsa::kAvx512Bf16) {
+  if (isa == cpu::CpuIsa::kAvx512 || isa == cpu::CpuIsa::kAvx512Bf16 || isa == cpu::CpuIsa::kAmx) {
     return Mix::kInt8DotAvx512Vnni;
   }
   if (isa == cpu::CpuIsa::kAvx2 && MixSupported(Mix::kInt8DotAvxVnni)) return Mix::kInt8DotAvxVnni;

@@ -92,9 +92,19 @@ void SplitRows(int64_t rows, int t, int n, int64_t* begin, int64_t* end);
 // Register-only peak loops per instruction mix (hmoe_kernels_bench's BM_Peak, hmoe_gemm_bench's
 // peak fractions): kPeakAcc independent accumulators (more than latency x throughput of every core
 // we use), no memory operands. Ops count 2 per multiply-add.
-enum class Mix { kF32FmaAvx2, kF32FmaAvx512, kBf16DotAvx512, kInt8DotAvx512Vnni, kInt8DotAvxVnni };
-inline constexpr Mix kAllMixes[] = {Mix::kF32FmaAvx2, Mix::kF32FmaAvx512, Mix::kBf16DotAvx512,
-                                    Mix::kInt8DotAvx512Vnni, Mix::kInt8DotAvxVnni};
+// kBf16TileAmx: TDPBF16PS on 16x64-byte tiles (4 independent C tiles; one instruction is
+// 16 x 16 x 32 multiply-adds).
+enum class Mix {
+  kF32FmaAvx2,
+  kF32FmaAvx512,
+  kBf16DotAvx512,
+  kInt8DotAvx512Vnni,
+  kInt8DotAvxVnni,
+  kBf16TileAmx
+};
+inline constexpr Mix kAllMixes[] = {Mix::kF32FmaAvx2,     Mix::kF32FmaAvx512,
+                                    Mix::kBf16DotAvx512,  Mix::kInt8DotAvx512Vnni,
+                                    Mix::kInt8DotAvxVnni, Mix::kBf16TileAmx};
 inline constexpr int kPeakAcc = 12;
 const char* MixName(Mix m);
 bool MixSupported(Mix m);

@@ -520,10 +520,10 @@ void RegisterAll() {
   }
   // Every variant this CPU runs (the acceptance of issue 15: each at memory speed for 1-2 tokens
   // on the expert shapes), e.g. BM_Fp8Gemv_avx2/... forced on an AVX-512 machine.
-  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     if (!cpu::CpuSupports(isa)) continue;
     for (const Shape& shape : {kGateUp, kDown}) {
-      for (int n : {1, 2}) {
+      for (int n : {1, 2, 4, 6, 8}) {
         for (int threads : {1, 2}) {
           benchmark::RegisterBenchmark(
               absl::StrCat("BM_Fp8Gemv_", std::string(cpu::CpuIsaName(isa)), "/", ShapeName(shape),
@@ -536,9 +536,9 @@ void RegisterAll() {
       }
     }
   }
-  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     if (!cpu::CpuSupports(isa)) continue;
-    for (int n : {1, 2}) {
+    for (int n : {1, 2, 6, 8}) {
       benchmark::RegisterBenchmark(
           absl::StrCat("BM_Fp8GemvL2_", std::string(cpu::CpuIsaName(isa)), "/128x7168/n:", n)
               .c_str(),

@@ -38,7 +38,10 @@ TEST(CpuIsaOverrideTest, Bf16AndF32OpsFollowTheFp8Choice) {
     EXPECT_EQ(F32OpsIsa(), isa);  // the AVX2 F32 ops, not the portable loops, under avx2
   }
   // The BF16 GEMV has no AVX2 variant: AVX2 machines (and forced AVX2) use the scalar one.
-  EXPECT_EQ(DefaultBf16Gemv().isa(), isa == CpuIsa::kAvx2 ? CpuIsa::kScalar : isa);
+  // Nor an AMX one: amx machines use the avx512bf16 BF16 GEMV.
+  EXPECT_EQ(DefaultBf16Gemv().isa(), isa == CpuIsa::kAvx2  ? CpuIsa::kScalar
+                                     : isa == CpuIsa::kAmx ? CpuIsa::kAvx512Bf16
+                                                           : isa);
   if (isa >= CpuIsa::kAvx512) {
     EXPECT_TRUE(F32OpsUseAvx512());
     EXPECT_EQ(F32OpsIsa(), CpuIsa::kAvx512);

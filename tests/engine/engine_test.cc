@@ -172,8 +172,8 @@ TEST(EngineTest, ChunkedPrefillEqualsOnePrefill) {
 TEST(EngineTest, SequenceResultsDoNotDependOnTheOtherSequencesOfTheStep) {
   Model& model = Tiny();
   int tested = 0;
-  for (cpu::CpuIsa isa :
-       {cpu::CpuIsa::kScalar, cpu::CpuIsa::kAvx2, cpu::CpuIsa::kAvx512, cpu::CpuIsa::kAvx512Bf16}) {
+  for (cpu::CpuIsa isa : {cpu::CpuIsa::kScalar, cpu::CpuIsa::kAvx2, cpu::CpuIsa::kAvx512,
+                          cpu::CpuIsa::kAvx512Bf16, cpu::CpuIsa::kAmx}) {
     auto gemv = cpu::NewFp8Gemv(isa);
     if (!gemv.ok()) continue;  // not supported by this CPU
     ++tested;

@@ -134,7 +134,8 @@ Expected Oracle(const Problem& p) {
 
 std::vector<CpuIsa> SupportedIsas() {
   std::vector<CpuIsa> out;
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+  for (CpuIsa isa :
+       {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     if (CpuSupports(isa)) out.push_back(isa);
   }
   return out;
@@ -295,6 +296,35 @@ TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
   if (checked == 0) GTEST_SKIP() << "no variant here claims GEMV-exact results";
 }
 
+// Batch invariance inside the GEMM itself: each of 8 tokens (and of 37, across token tiles) gives
+// bitwise the result it gives alone (m = 1), wherever the variant claims GEMV-exact results.
+TEST(Fp8GemmTest, ATokensResultDoesNotDependOnTheOtherTokensOfTheCall) {
+  int checked = 0;
+  for (CpuIsa isa : SupportedIsas()) {
+    if (!Fp8GemmMatchesGemv(isa)) continue;
+    SCOPED_TRACE(std::string(CpuIsaName(isa)));
+    auto gemm = NewFp8Gemm(isa);
+    ASSERT_TRUE(gemm.ok());
+    const Fp8Gemm& g = **gemm;
+    for (const int64_t m : {8, 37}) {
+      const Problem p = MakeProblem(150, 333, m, static_cast<uint32_t>(m));
+      Buffer packed = PackTokens(g, p, m, 1);
+      std::vector<float> all(m * p.rows);
+      g.Multiply(p.View(), packed.get(), m, 0, p.rows, all.data(), p.rows);
+      for (int64_t t = 0; t < m; ++t) {
+        Buffer one = Allocate(g.PackedBytes(1, p.cols));
+        g.Pack(p.x.data() + t * p.x_stride, p.x_stride, 1, p.cols, 0, 1, one.get());
+        std::vector<float> alone(p.rows);
+        g.Multiply(p.View(), one.get(), 1, 0, p.rows, alone.data(), p.rows);
+        ASSERT_EQ(std::memcmp(alone.data(), all.data() + t * p.rows, p.rows * sizeof(float)), 0)
+            << "token " << t << " of " << m;
+        ++checked;
+      }
+    }
+  }
+  if (checked == 0) GTEST_SKIP() << "no variant here claims GEMV-exact results";
+}
+
 TEST(Fp8GemmTest, ZeroTokensOrRowsIsANoOp) {
   const Problem p = MakeProblem(8, 64, 1, 3);
   const Fp8Gemm& g = DefaultFp8Gemm();
@@ -306,7 +336,8 @@ TEST(Fp8GemmTest, ZeroTokensOrRowsIsANoOp) {
 
 TEST(Fp8GemmTest, DefaultIsTheBestVariant) {
   EXPECT_EQ(DefaultFp8Gemm().isa(), BestCpuIsa());
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+  for (CpuIsa isa :
+       {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     EXPECT_EQ(NewFp8Gemm(isa).ok(), CpuSupports(isa));
   }
 }

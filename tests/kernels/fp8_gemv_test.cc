@@ -151,6 +151,11 @@ TEST(CpuFeaturesTest, ScalarAlwaysSupportedAndBestIsSupported) {
   EXPECT_TRUE(CpuSupports(BestCpuIsa()));
   EXPECT_EQ(DefaultFp8Gemv().isa(), BestCpuIsa());
   EXPECT_EQ(CpuIsaName(CpuIsa::kAvx512Bf16), "avx512bf16");
+  EXPECT_EQ(CpuIsaName(CpuIsa::kAmx), "amx");
+  // AMX needs everything avx512bf16 needs.
+  if (CpuSupports(CpuIsa::kAmx)) {
+    EXPECT_TRUE(CpuSupports(CpuIsa::kAvx512Bf16));
+  }
 }
 
 // HMOE_CPU_ISA lowers the dispatch (ctest runs this binary again with HMOE_CPU_ISA=avx2 on
@@ -158,7 +163,8 @@ TEST(CpuFeaturesTest, ScalarAlwaysSupportedAndBestIsSupported) {
 TEST(CpuFeaturesTest, TheIsaOverrideIsHonored) {
   const char* env = std::getenv("HMOE_CPU_ISA");
   if (env == nullptr || *env == '\0') GTEST_SKIP() << "HMOE_CPU_ISA is not set";
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+  for (CpuIsa isa :
+       {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     if (CpuIsaName(isa) != env) continue;
     if (!CpuSupports(isa)) GTEST_SKIP() << env << " is not supported by this CPU";
     EXPECT_EQ(BestCpuIsa(), isa);
@@ -345,7 +351,7 @@ TEST(Fp8GemvRealShapeTest, EverySimdVariantWithin1e5OfFp64) {
   const std::vector<float> x = RandomActivations(1, 7168, rng);
   const RefResult exact = ReferenceFp64(w.view(), x, 1);
   int tested = 0;
-  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     const std::unique_ptr<Fp8Gemv> gemv = MakeOrNull(isa);
     if (gemv == nullptr) continue;
     const Packed p = PackAll(*gemv, x, 1, 7168);
@@ -494,7 +500,7 @@ TEST_P(Fp8GemvVariantTest, GemmRowsMatchesReferenceFrom1To600Tokens) {
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Fp8GemvVariantTest,
                          ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
-                                           CpuIsa::kAvx512Bf16),
+                                           CpuIsa::kAvx512Bf16, CpuIsa::kAmx),
                          [](const ::testing::TestParamInfo<CpuIsa>& info) {
                            return std::string(CpuIsaName(info.param));
                          });

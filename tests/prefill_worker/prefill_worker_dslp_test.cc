@@ -258,15 +258,27 @@ TEST_P(PrefillWorkerDslpTest, MatchesSingleWorkerSlpAndTheDecodeWorkerContinuesI
   // only if the FP32 reference has a near-tie for that token at a MoE layer before the row's
   // first layer beyond it (both sides are within the error model of the reference, so their
   // expert sets can differ only there).
-  for (const dslp_test::KvRowSummary::Beyond& b : kv.beyond) {
-    bool near_tie = false;
-    for (int64_t l = 0; l < b.layer && !near_tie; ++l) {
+  // A row without a near-tie of its own is explained by an earlier token's near-tie row at an
+  // earlier layer (it attends to that token's changed KV; the change is diluted by one key's
+  // attention weight, so only up to 5x the tolerance: tests/dslp/dslp_test.cc PropagationSource).
+  auto has_near_tie = [&](const dslp_test::KvRowSummary::Beyond& b) {
+    for (int64_t l = 0; l < b.layer; ++l) {
       if (run->trace.routing[l].empty()) continue;
-      near_tie =
-          run->trace.routing[l][b.token].SelectionGap() < run->trace.gap_tolerance[l][b.token];
+      if (run->trace.routing[l][b.token].SelectionGap() < run->trace.gap_tolerance[l][b.token]) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (const dslp_test::KvRowSummary::Beyond& b : kv.beyond) {
+    bool near_tie = has_near_tie(b);
+    for (const dslp_test::KvRowSummary::Beyond& v : kv.beyond) {
+      if (near_tie || b.error > 5 * kv_tolerance) break;
+      near_tie = v.token < b.token && v.layer < b.layer && has_near_tie(v);
     }
     EXPECT_TRUE(near_tie) << "token " << b.token << ": KV " << b.error << " from layer " << b.layer
-                          << " but the reference has no routing near-tie before that layer";
+                          << " but the reference has no routing near-tie before that layer, nor"
+                          << " an earlier token with one at an earlier layer";
   }
   std::printf("[ DSLP workers ] %s: %d tokens, %d divergent (worst margin %.3f)%s\n", id.c_str(),
               agreement.steps, agreement.divergences, agreement.worst_margin,

@@ -69,6 +69,7 @@ void Bf16Gemv::GemmRows(const Bf16MatrixView& w, const std::byte* packed, int64_
 
 absl::StatusOr<std::unique_ptr<Bf16Gemv>> NewBf16Gemv(CpuIsa isa) {
   if (isa == CpuIsa::kScalar) return std::unique_ptr<Bf16Gemv>(internal::NewScalarBf16Gemv());
+  if (isa == CpuIsa::kAmx && CpuSupports(isa)) isa = CpuIsa::kAvx512Bf16;  // no AMX variant
   if (isa == CpuIsa::kAvx512Bf16 && CpuSupports(isa)) {
     return std::unique_ptr<Bf16Gemv>(internal::NewAvx512Bf16Bf16Gemv());
   }

@@ -129,6 +129,9 @@ absl::StatusOr<std::unique_ptr<Fp8Gemm>> NewFp8Gemm(CpuIsa isa) {
     case CpuIsa::kAvx512Bf16:
       return std::unique_ptr<Fp8Gemm>(
           new OwningFp8Gemm(*std::move(gemv), &internal::NewAvx512Bf16Fp8Gemm));
+    case CpuIsa::kAmx:
+      return std::unique_ptr<Fp8Gemm>(
+          new OwningFp8Gemm(*std::move(gemv), &internal::NewAmxFp8Gemm));
   }
   return absl::InvalidArgumentError("fp8 gemm: unknown isa");
 }
@@ -140,7 +143,7 @@ const Fp8Gemm& DefaultFp8Gemm() {
 
 const Fp8Gemm& Fp8GemmForIsa(CpuIsa isa) {
   // One instance per variant, created on first use (thread-safe statics).
-  static const Fp8Gemm* const kVariants[4] = {
+  static const Fp8Gemm* const kVariants[5] = {
       [] {
         auto g = NewFp8Gemm(CpuIsa::kScalar);
         return g.ok() ? g->release() : nullptr;
@@ -157,11 +160,19 @@ const Fp8Gemm& Fp8GemmForIsa(CpuIsa isa) {
         auto g = NewFp8Gemm(CpuIsa::kAvx512Bf16);
         return g.ok() ? g->release() : nullptr;
       }(),
+      [] {
+        auto g = NewFp8Gemm(CpuIsa::kAmx);
+        return g.ok() ? g->release() : nullptr;
+      }(),
   };
   const Fp8Gemm* g = kVariants[static_cast<int>(isa)];
   HMOE_CHECK(g != nullptr) << "fp8 gemm " << CpuIsaName(isa) << ": not supported by this CPU";
   return *g;
 }
+
+// AMX: the GEMM expands each weight once per call, the GEMV once per 8 tokens (placeholder until
+// measured below).
+constexpr int64_t kAmxGemmMinTokens = 9;
 
 int64_t Fp8GemmMinTokens(CpuIsa isa) {
   // Measured with hmoe_gemm_bench (expert gate shape 2048 x 7168, one thread, CPU time, Sapphire
@@ -177,6 +188,8 @@ int64_t Fp8GemmMinTokens(CpuIsa isa) {
       return 8;
     case CpuIsa::kAvx512Bf16:
       return 24;
+    case CpuIsa::kAmx:
+      return kAmxGemmMinTokens;
   }
   return INT64_MAX;
 }
@@ -185,7 +198,7 @@ bool Fp8GemmMatchesGemv(CpuIsa isa) {
   // The AVX-512 variants replay the GEMV's per-token operations (fp8_gemm_impl.h); the AVX2
   // variant puts tokens in the lanes and sums in another order. Checked bitwise by
   // tests/kernels/fp8_gemm_test.cc.
-  return isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16;
+  return isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16 || isa == CpuIsa::kAmx;
 }
 
 }  // namespace hmoe::cpu

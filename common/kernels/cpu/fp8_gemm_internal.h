@@ -13,5 +13,6 @@ namespace hmoe::cpu::internal {
 Fp8Gemm* NewAvx2Fp8Gemm(const Fp8Gemv* gemv);
 Fp8Gemm* NewAvx512Fp8Gemm(const Fp8Gemv* gemv);
 Fp8Gemm* NewAvx512Bf16Fp8Gemm(const Fp8Gemv* gemv);
+Fp8Gemm* NewAmxFp8Gemm(const Fp8Gemv* gemv);
 
 }  // namespace hmoe::cpu::internal

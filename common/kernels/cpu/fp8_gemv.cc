@@ -1,7 +1,12 @@
 #include "common/kernels/cpu/fp8_gemv.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -35,8 +40,32 @@ bool CpuHasAvx512() {
 
 bool CpuHasAvx512Bf16() { return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16"); }
 
-constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
-                               CpuIsa::kAvx512Bf16};
+// AMX-TILE and AMX-BF16 in cpuid leaf 7 (EDX bits 24 and 22), plus the OS's permission to use the
+// tile data state (Linux >= 5.16 grants it per process on request). Asked once per process.
+bool CpuHasAmx() {
+  static const bool kAmx = [] {
+    if (!CpuHasAvx512Bf16()) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr int kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+      HMOE_LOG(INFO) << "cpu kernels: the CPU has AMX but the OS refused the tile state ("
+                     << std::strerror(errno) << "); not using amx";
+      return false;
+    }
+    return true;
+#else
+    return false;
+#endif
+  }();
+  return kAmx;
+}
+
+constexpr CpuIsa kAllIsas[] = {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16,
+                               CpuIsa::kAmx};
 
 // The reference: plain loops over the definition in the header, F32 activations rounded to BF16
 // in natural order.
@@ -109,6 +138,8 @@ std::string_view CpuIsaName(CpuIsa isa) {
       return "avx512";
     case CpuIsa::kAvx512Bf16:
       return "avx512bf16";
+    case CpuIsa::kAmx:
+      return "amx";
   }
   return "?";
 }
@@ -123,6 +154,8 @@ bool CpuSupports(CpuIsa isa) {
       return CpuHasAvx512();
     case CpuIsa::kAvx512Bf16:
       return CpuHasAvx512Bf16();
+    case CpuIsa::kAmx:
+      return CpuHasAmx();
   }
   return false;
 }
@@ -260,11 +293,13 @@ absl::StatusOr<std::unique_ptr<Fp8Gemv>> NewFp8Gemv(CpuIsa isa, const Fp8GemvOpt
           : options.prefetch_bytes >= 0 ? options.prefetch_bytes
                                         : internal::kAvx2DefaultPrefetchBytes));
     case CpuIsa::kAvx512:
-    case CpuIsa::kAvx512Bf16: {
+    case CpuIsa::kAvx512Bf16:
+    case CpuIsa::kAmx: {
       Fp8GemvOptions resolved = options;
       if (resolved.prefetch_bytes < 0) {
         resolved.prefetch_bytes = internal::kAvx512DefaultPrefetchBytes;
       }
+      if (isa == CpuIsa::kAmx) return std::unique_ptr<Fp8Gemv>(internal::NewAmxFp8Gemv(resolved));
       return std::unique_ptr<Fp8Gemv>(isa == CpuIsa::kAvx512
                                           ? internal::NewAvx512Fp8Gemv(resolved)
                                           : internal::NewAvx512Bf16Fp8Gemv(resolved));
@@ -288,6 +323,32 @@ void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
 
 namespace internal {
 Fp8Gemv* NewScalarFp8Gemv() { return new ScalarFp8Gemv(); }
+
+int& AmxLoadedConfig() {
+  thread_local int loaded = 0;
+  return loaded;
+}
+
+namespace {
+// A per-thread 64-byte aligned buffer that grows on demand.
+struct AmxThreadScratch {
+  std::byte* data = nullptr;
+  int64_t size = 0;
+  ~AmxThreadScratch() { std::free(data); }
+};
+}  // namespace
+
+std::byte* AmxScratch(int64_t bytes) {
+  thread_local AmxThreadScratch scratch;
+  if (bytes > scratch.size) {
+    std::free(scratch.data);
+    scratch.size = std::max<int64_t>(4096, CeilDiv(bytes, 4096) * 4096);
+    scratch.data =
+        static_cast<std::byte*>(std::aligned_alloc(64, static_cast<size_t>(scratch.size)));
+    HMOE_CHECK(scratch.data != nullptr) << "amx scratch of " << scratch.size << " bytes";
+  }
+  return scratch.data;
+}
 }  // namespace internal
 
 }  // namespace hmoe::cpu

@@ -14,15 +14,20 @@
 //
 // Variants (one interface, chosen at run time by CPU features): a scalar reference (the oracle of
 // the tests), AVX2+F16C+FMA, AVX-512 (FP8 -> BF16 by two vpermi2b table lookups, then exact F32
-// FMAs) and AVX-512 BF16 (the same expansion, vdpbf16ps dot products); the SIMD variants use
+// FMAs), AVX-512 BF16 (the same expansion, vdpbf16ps dot products) and AMX-BF16 (the same
+// expansion into 16-row x 32-column BF16 tiles in L1, TDPBF16PS against the tokens' activations
+// as the B tile, so 1..8 tokens cost about what one does; per 128-column block the tile's F32 sums
+// are stored and post-scaled with one FMA per (row, token); fp8_amx_impl.h has the exact order:
+// every token gets the same tile operations whatever its batch, so a token's result is bitwise the
+// same alone or batched, and the amx Fp8Gemm is bitwise this GEMV); the SIMD variants use
 // software prefetch. Kernels never start threads: callers split the rows
 // [0, M) into ranges and call MatVec on each range from their own threads.
 //
 // NaN codes (0x7F, 0xFF; real checkpoints never contain them): every variant decodes them to NaN,
-// so a row holding one yields NaN for every token. The AVX-512 BF16 variant flushes BF16
-// activations below 2^-126 in magnitude to zero (vdpbf16ps has DAZ semantics); FP8 subnormals are
-// BF16 normals and are not affected. Products of an FP8 weight and a BF16 activation are exact in
-// F32 in every variant.
+// so a row holding one yields NaN for every token. The AVX-512 BF16 and AMX variants flush BF16
+// activations below 2^-126 in magnitude to zero (vdpbf16ps and TDPBF16PS have DAZ semantics); FP8
+// subnormals are BF16 normals and are not affected. Products of an FP8 weight and a BF16 activation
+// are exact in F32 in every variant.
 
 #include <cstddef>
 #include <cstdint>
@@ -39,9 +44,13 @@ enum class CpuIsa : uint8_t {
   kAvx2 = 1,        // AVX2 + FMA + F16C
   kAvx512 = 2,      // AVX-512 F/BW/VL/VBMI (e.g. Ice Lake): BF16 expansion, F32 FMAs
   kAvx512Bf16 = 3,  // the above + AVX512_BF16 (Zen 4/5, Sapphire Rapids): vdpbf16ps
+  // The above + AMX-TILE/AMX-BF16 (Sapphire Rapids and later Xeons), when the OS grants the tile
+  // state (arch_prctl ARCH_REQ_XCOMP_PERM): the FP8 GEMV and GEMM run TDPBF16PS; every other
+  // kernel family treats it as kAvx512Bf16.
+  kAmx = 4,
 };
 
-// "scalar", "avx2", "avx512", "avx512bf16".
+// "scalar", "avx2", "avx512", "avx512bf16", "amx".
 std::string_view CpuIsaName(CpuIsa isa);
 // Whether this CPU (and OS) can run `isa`.
 bool CpuSupports(CpuIsa isa);

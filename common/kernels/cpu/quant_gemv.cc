@@ -402,6 +402,7 @@ absl::StatusOr<std::unique_ptr<QuantGemv>> NewQuantGemv(CpuIsa isa) {
       return std::unique_ptr<QuantGemv>(internal::NewAvx2QuantGemv());
     case CpuIsa::kAvx512:
     case CpuIsa::kAvx512Bf16:
+    case CpuIsa::kAmx:
       if (!CpuHasAvx512Vnni()) break;
       return std::unique_ptr<QuantGemv>(internal::NewAvx512VnniQuantGemv());
   }
@@ -412,7 +413,8 @@ absl::StatusOr<std::unique_ptr<QuantGemv>> NewQuantGemv(CpuIsa isa) {
 const QuantGemv& DefaultQuantGemv() {
   static const QuantGemv* const kGemv = [] {
     CpuIsa isa = BestCpuIsa();
-    if ((isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16) && !CpuHasAvx512Vnni()) {
+    if ((isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16 || isa == CpuIsa::kAmx) &&
+        !CpuHasAvx512Vnni()) {
       isa = CpuIsa::kAvx2;
     }
     auto gemv = NewQuantGemv(isa);
