@@ -19,12 +19,24 @@ struct AmxGemvArgs {
   const uint8_t* pf_end;  // no prefetch at or beyond this address (nullptr: prefetch off)
   int64_t pf_bytes;       // per-row prefetch distance
   int pf_hint;
+  bool pf_next_tile;  // dense rows: prefetch the next tile as one linear stream instead
 };
 
 // Prefetches, for each row of the tile, the line pf_bytes past column `col`, continuing into the
 // same row of the next tile past the end of the row.
 HMOE_AMX_INLINE void PrefetchRows(const AmxGemvArgs& a, int64_t col) {
   if (a.pf_end == nullptr) return;
+  if (a.pf_next_tile) {
+    // 16 lines per 64-column step: over the tile's K / 64 steps, the 16 * K bytes of the next tile
+    // (contiguous when row_stride == k).
+    const uint8_t* base = a.w + kAmxRows * a.row_stride + col * kAmxRows;
+    HMOE_AMX_UNROLL
+    for (int r = 0; r < kAmxRows; ++r) {
+      const uint8_t* line = base + r * 64;
+      if (line < a.pf_end) Prefetch(line, a.pf_hint);
+    }
+    return;
+  }
   const int64_t ahead = col + a.pf_bytes;
   const int64_t offset = ahead < a.k ? ahead : kAmxRows * a.row_stride + (ahead - a.k);
   HMOE_AMX_UNROLL
@@ -201,6 +213,7 @@ class AmxFp8Gemv final : public Fp8Gemv {
     const int64_t pf = (options_.prefetch_bytes / 4 + kScaleBlock - 1) / kScaleBlock * kScaleBlock;
     a.pf_bytes = pf > 0 ? pf : kScaleBlock;
     a.pf_hint = options_.prefetch_hint;
+    a.pf_next_tile = options_.prefetch_linear && w.row_stride == w.cols;
     for (int64_t m = m_begin; m < m_end;) {
       const int64_t block_end = (m / kScaleBlock + 1) * kScaleBlock;
       const int64_t tile_end = block_end < m_end ? block_end : m_end;
