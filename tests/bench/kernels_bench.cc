@@ -304,13 +304,15 @@ void BM_Fp8Gemv(benchmark::State& state, CpuIsa isa, Shape shape, int n, int thr
 // The kernel's own throughput, memory out of the way: one 128 x 7168 FP8 matrix (0.9 MiB) that
 // stays in L2, read over and over. Above the read bandwidth means the variant can keep up with
 // memory; below it, the expansion (not DRAM) bounds the cold GEMV.
-void BM_Fp8GemvL2(benchmark::State& state, CpuIsa isa, int n) {
+// `down`: 512 rows of the down projection (2 KiB rows) instead of 128 rows of gate/up (7 KiB).
+void BM_Fp8GemvL2(benchmark::State& state, CpuIsa isa, int n, bool down = false) {
   auto gemv = cpu::NewFp8Gemv(isa);
   if (!gemv.ok()) {
     state.SkipWithError(gemv.status().ToString().c_str());
     return;
   }
-  const Fp8MatrixView w = Fp8Matrices(kGateUp).views[0].RowSlice(0, 128);
+  const Fp8MatrixView w = down ? Fp8Matrices(kDown).views[0].RowSlice(0, 512)
+                               : Fp8Matrices(kGateUp).views[0].RowSlice(0, 128);
   const PackedX x = PackRandom(**gemv, w.cols, n);
   std::vector<float> y(n * w.rows);
   for (auto _ : state) {
@@ -543,6 +545,11 @@ void RegisterAll() {
           absl::StrCat("BM_Fp8GemvL2_", std::string(cpu::CpuIsaName(isa)), "/128x7168/n:", n)
               .c_str(),
           [=](benchmark::State& s) { BM_Fp8GemvL2(s, isa, n); })
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(
+          absl::StrCat("BM_Fp8GemvL2_", std::string(cpu::CpuIsaName(isa)), "/512x2048/n:", n)
+              .c_str(),
+          [=](benchmark::State& s) { BM_Fp8GemvL2(s, isa, n, true); })
           ->Unit(benchmark::kMillisecond);
     }
   }

@@ -257,12 +257,13 @@ TEST(Fp8GemmTest, All256CodesAndNaN) {
 
 // Where Fp8GemmMatchesGemv says so, the GEMM's results are bitwise the GEMV's (MatVec for up to
 // kMaxMatVecTokens tokens, GemmRows beyond): every k % 128 class (0, < 64, 64, > 64), ragged rows,
+// k on both sides of the amx GEMV's expand-whole-rows limit (2048),
 // row ranges off the scale blocks, and token counts across the GEMM's tiles.
 TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
   const struct {
     int64_t rows, cols, m;
-  } kShapes[] = {{7, 128, 5},     {130, 200, 9}, {257, 129, 13},    {64, 192, 4},
-                 {300, 1000, 33}, {50, 64, 1},   {129, 7 * 128, 40}};
+  } kShapes[] = {{7, 128, 5}, {130, 200, 9},      {257, 129, 13}, {64, 192, 4}, {300, 1000, 33},
+                 {50, 64, 1}, {129, 7 * 128, 40}, {40, 2200, 11}, {17, 2049, 3}};
   int checked = 0;
   for (CpuIsa isa : SupportedIsas()) {
     if (!Fp8GemmMatchesGemv(isa)) continue;
