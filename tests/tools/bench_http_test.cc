@@ -134,6 +134,8 @@ TEST(CompletionEventsTest, RequestBody) {
   EXPECT_EQ(j["cache_prompt"], true);
   EXPECT_EQ(j["stream"], true);
   EXPECT_EQ(j["stream_options"]["include_usage"], true);
+  q.cache_prompt = false;  // calibration's requests
+  EXPECT_EQ(nlohmann::json::parse(CompletionRequestBody(q))["cache_prompt"], false);
 }
 
 // Three events carrying 7 tokens: TPOT divides by the tokens, ITL stays per event.

@@ -65,7 +65,7 @@ class BenchClient {
   virtual absl::StatusOr<v1::ModelInfo> ModelInfo() = 0;
   virtual absl::StatusOr<v1::RouterStatus> RouterStatus() = 0;
   // Sends one request (ignore_eos: it generates exactly max_new_tokens unless it fails; greedy;
-  // the prefix cache on) and records it, with times relative to `origin`.
+  // the prefix cache per request.cache_prompt) and records it, with times relative to `origin`.
   virtual RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
                             std::chrono::steady_clock::time_point origin) = 0;
   // Whether the records carry the streamed token ids (multi-turn runs need them).
