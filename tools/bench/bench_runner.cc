@@ -191,7 +191,7 @@ void ApplyCompletionEvent(absl::string_view data, double now_s, RequestResult& r
 
 HttpBenchClient::HttpBenchClient(const std::string& grpc_addr, std::string http_addr,
                                  double timeout_s)
-    : grpc_(grpc_addr, timeout_s), http_addr_(std::move(http_addr)) {}
+    : grpc_(grpc_addr, timeout_s), http_addr_(std::move(http_addr)), timeout_s_(timeout_s) {}
 
 HttpBenchClient::~HttpBenchClient() = default;
 
@@ -234,7 +234,7 @@ RequestResult HttpBenchClient::Run(const PlannedRequest& request, v1::PathHint,
         [&](absl::string_view data) {
           ApplyCompletionEvent(data, Since(origin, Clock::now()), r, e);
         },
-        [&] { r.start_s = Since(origin, Clock::now()); });
+        [&] { r.start_s = Since(origin, Clock::now()); }, absl::Seconds(timeout_s_));
     r.end_s = Since(origin, Clock::now());
     if (reused && resp.status == 0 && attempt == 0) continue;
     if (!resp.transport_error.empty()) {

@@ -96,8 +96,10 @@ class GrpcBenchClient final : public BenchClient {
 // cached_prompt_tokens is usage.prompt_tokens_details.cached_tokens. The path hint cannot be sent
 // (only AUTO is accepted: the caller checks); path, workers, attempts and the router's Timing stay
 // empty. The model's vocabulary and context and the router's status come from the gRPC API at
-// `grpc_addr`. Keep-alive connections are pooled (one per request in flight); a request's start is
-// taken when it is written, so a new connection's set-up is not part of its times.
+// `grpc_addr`. Each request has the deadline `timeout_s` (written and answered in full within it,
+// or it fails with status "INCOMPLETE"/"NO_RESPONSE" and the connection is dropped). Keep-alive
+// connections are pooled (one per request in flight); a request's start is taken when it is
+// written, so a new connection's set-up is not part of its times.
 class HttpBenchClient final : public BenchClient {
  public:
   HttpBenchClient(const std::string& grpc_addr, std::string http_addr, double timeout_s);
@@ -111,6 +113,7 @@ class HttpBenchClient final : public BenchClient {
  private:
   GrpcBenchClient grpc_;
   const std::string http_addr_;
+  const double timeout_s_;  // deadline of each request, as the gRPC calls'
   std::mutex mu_;
   std::vector<std::unique_ptr<HttpClient>> idle_;  // guarded by mu_
 };
