@@ -2,7 +2,7 @@
 # TTFT of one 512-token prompt through the router on a CPU-only stack (issue #15 acceptance 4):
 # weightd, one decode worker (2 threads, chunked prefill: 512 < the router's --chunk-threshold)
 # and the router from BIN_DIR on MODEL; one request of 512 token ids, one new token; prints the
-# TTFT and the load average, then stops the stack.
+# TTFT and the load average, then stops the stack and removes its directory (KEEP=1 keeps it).
 #
 #   scripts/prefill_ttft.sh MODEL BIN_DIR PORT TAG
 #   e.g. scripts/prefill_ttft.sh out/real-shaped build/cpu 50095 after
@@ -14,7 +14,8 @@ source "$ROOT/scripts/lib/common.sh"
 HMOE="$BIN_DIR/tools/hmoe"
 require_client prefill_ttft "$HMOE"
 OUT="$(mktemp -d "${TMPDIR:-/tmp}/hmoe-ttft-$TAG.XXXXXX")"
-trap 'stop_supervisord "$OUT/supervisord.conf" "$OUT/run"' EXIT
+# The stack's files (logs, sockets, the generation's output) go with it unless KEEP=1.
+trap 'stop_supervisord "$OUT/supervisord.conf" "$OUT/run"; [[ "${KEEP:-0}" == 1 ]] || rm -rf "$OUT"' EXIT
 start_stack "$HMOE" "$BIN_DIR" "$MODEL" "$OUT" "$PORT" 0 "ttft-$TAG-$$" "--threads=2" || exit 1
 IDS=$(seq 0 511 | awk '{printf "%s%d", (NR > 1 ? "," : ""), ($1 * 7919) % 3000 + 10}')
 "$HMOE" generate --addr "127.0.0.1:$PORT" --prompt-ids "$IDS" --max-new-tokens 1 \

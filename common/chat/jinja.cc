@@ -2133,6 +2133,11 @@ enum class Flow { kNormal, kBreak, kContinue };
 
 class Renderer {
  public:
+  // Far above what any real template needs for a request the router accepts (a few statements
+  // per message), far below what would stall a server.
+  static constexpr int64_t kMaxRenderSteps = 2'000'000;
+  static constexpr size_t kMaxRenderBytes = size_t{256} << 20;
+
   explicit Renderer(std::string& out) : out_(out) { frames_.emplace_back(); }
 
   // `set ns.a = ns` makes a reference cycle; emptying every namespace at the end breaks it.
@@ -2146,6 +2151,17 @@ class Renderer {
 
   absl::StatusOr<Flow> Exec(const Body& body) {
     for (const Stmt& st : body) {
+      // The budget: every statement (a loop's body counts once per iteration) and the output
+      // so far. Loops over the request's messages nested in one another grow with the square of
+      // the request; the budget turns that into an error instead of minutes of CPU or memory.
+      if (++steps_ > kMaxRenderSteps) {
+        return LineError(st.line, absl::StrCat("rendering took more than ", kMaxRenderSteps,
+                                               " steps (loops nested over a large input?)"));
+      }
+      if (out_.size() > kMaxRenderBytes) {
+        return LineError(st.line,
+                         absl::StrCat("the rendered text exceeds ", kMaxRenderBytes, " bytes"));
+      }
       HMOE_ASSIGN_OR_RETURN(Flow f, ExecOne(st));
       if (f != Flow::kNormal) return f;
     }
@@ -2254,6 +2270,10 @@ class Renderer {
     if (items.empty()) return Exec(st.else_body);
     const int64_t n = static_cast<int64_t>(items.size());
     for (int64_t k = 0; k < n; ++k) {
+      if (++steps_ > kMaxRenderSteps) {  // an iteration is a step too, even with an empty body
+        return LineError(st.line, absl::StrCat("rendering took more than ", kMaxRenderSteps,
+                                               " steps (loops nested over a large input?)"));
+      }
       Value loop = Value::Object("loop");
       Dict& d = *loop.dict;
       d.Set("index0", Value::Int(k));
@@ -2731,6 +2751,7 @@ class Renderer {
   std::string& out_;
   std::vector<std::map<std::string, Value>> frames_;
   int macro_depth_ = 0;
+  int64_t steps_ = 0;  // statements executed (the budget)
   std::vector<std::shared_ptr<Dict>> namespaces_;
 };
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -668,7 +669,12 @@ absl::Status GgufWriter::Begin() {
   AppendPod<uint32_t>(&header, kGgufMagic);
   AppendPod<uint32_t>(&header, kGgufVersion);
   AppendPod<uint64_t>(&header, tensors_.size());
-  const bool write_alignment = alignment_ != kGgufDefaultAlignment;
+  // general.alignment is written when it is not the default, unless the caller added the key
+  // itself (its value is then written as given: tests write inconsistent files on purpose).
+  const bool caller_alignment = std::any_of(metadata_.begin(), metadata_.end(), [](const auto& kv) {
+    return kv.first == "general.alignment";
+  });
+  const bool write_alignment = alignment_ != kGgufDefaultAlignment && !caller_alignment;
   AppendPod<uint64_t>(&header, metadata_.size() + (write_alignment ? 1 : 0));
   for (const auto& [key, value] : metadata_) {
     AppendString(&header, key);

@@ -160,7 +160,9 @@ class GgufModel {
 };
 
 // Writes one GGUF v3 file: metadata and tensor infos first, then tensor data in order, each
-// tensor at an offset aligned to `alignment` (general.alignment is written when it is not 32).
+// tensor at an offset aligned to `alignment` (general.alignment is written when it is not 32 and
+// the caller did not add the key with AddMetadata). Metadata is written as added, duplicates
+// included (the reader's tests need damaged files).
 class GgufWriter {
  public:
   explicit GgufWriter(std::string path, uint32_t alignment = kGgufDefaultAlignment)

@@ -1,14 +1,10 @@
 #include "common/shm/shm_names.h"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdlib>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 
 #include "common/base/status_macros.h"
 #include "common/process/socket_path.h"

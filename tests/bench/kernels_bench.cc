@@ -41,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "common/base/logging.h"
+#include "common/kernels/cpu/bf16_gemv.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 #include "common/kernels/shared_math.h"
 #include "tests/bench/bench_util.h"
@@ -473,6 +474,76 @@ void BM_Fp8VsDequantBf16(benchmark::State& state, Shape shape, int threads) {
   state.SetLabel("dequant->BF16 vs " + std::string(cpu::CpuIsaName(gemv.isa())));
 }
 
+// BF16 weights (lm_head, the router, BF16 checkpoints): finite random values, a cold rotation of
+// its own so no case reads another's cached matrices.
+struct Bf16Set {
+  std::unique_ptr<HugeBuffer> buffer;
+  std::vector<cpu::Bf16MatrixView> views;
+};
+
+const Bf16Set& Bf16Matrices(const Shape& shape) {
+  static std::map<std::pair<int64_t, int64_t>, Bf16Set> sets;
+  Bf16Set& set = sets[{shape.rows, shape.cols}];
+  if (set.views.empty()) {
+    set.buffer = std::make_unique<HugeBuffer>(kRotationBytes);
+    auto* w = reinterpret_cast<uint16_t*>(set.buffer->data());
+    const size_t n = set.buffer->size() / 2;
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> dist(-0.05f, 0.05f);
+    for (size_t i = 0; i < n; ++i) w[i] = kernels::FloatToBf16Bits(dist(rng));
+    const int64_t bytes = 2 * shape.rows * shape.cols;
+    for (int64_t off = 0; off + bytes <= static_cast<int64_t>(set.buffer->size()); off += bytes) {
+      set.views.push_back({set.buffer->data() + off, shape.rows, shape.cols, shape.cols});
+    }
+  }
+  return set;
+}
+
+// One BF16 GEMV case (one token), with the best read of two other cold matrices of the same size
+// in the same iteration as the yardstick (as BM_Fp8Gemv).
+void BM_Bf16Gemv(benchmark::State& state, CpuIsa isa, Shape shape, int threads) {
+  auto gemv = cpu::NewBf16Gemv(isa);
+  if (!gemv.ok()) {
+    state.SkipWithError(gemv.status().ToString().c_str());
+    return;
+  }
+  CpuWorkerPool& pool = PoolForThreads(threads);
+  const Bf16Set& set = Bf16Matrices(shape);
+  std::vector<float> xf(shape.cols, 0.5f);
+  std::vector<std::byte> packed(cpu::Bf16Gemv::PackedBytes(shape.cols));
+  cpu::Bf16Gemv::Pack(xf.data(), shape.cols, packed.data());
+  std::vector<float> y(shape.rows);
+  const int64_t count = static_cast<int64_t>(set.views.size());
+  const int64_t bytes = 2 * shape.rows * shape.cols;
+  double gemv_seconds = 0, best_read_seconds = 0;
+  int64_t i = 0;
+  for (auto _ : state) {
+    double best_gbps = 0;
+    int slot = 1;
+    for (ReadKernel kernel : kAllReadKernels) {
+      const std::byte* other = set.views[(i + count * slot++ / 5) % count].data;
+      best_gbps = std::max(best_gbps, TimedReadKernelGBps(pool, kernel, other, bytes));
+    }
+    best_read_seconds += static_cast<double>(bytes) / best_gbps * 1e-9;
+    const cpu::Bf16MatrixView& w = set.views[i % count];
+    const double s = TimedRun(pool, [&](int t) {
+      int64_t begin, end;
+      SplitRows(w.rows, t, threads, &begin, &end);
+      (*gemv)->MatVec(w, packed.data(), 0, 1, begin, end, y.data() + begin, 0);
+    });
+    benchmark::DoNotOptimize(y.data());
+    state.SetIterationTime(s);
+    gemv_seconds += s;
+    ++i;
+  }
+  const double iters = static_cast<double>(state.iterations());
+  state.SetBytesProcessed(state.iterations() * bytes);
+  state.counters["GBps"] = bytes * iters / gemv_seconds * 1e-9;
+  state.counters["bw_best_GBps"] = bytes * iters / best_read_seconds * 1e-9;
+  state.counters["bw_frac_best"] = best_read_seconds / gemv_seconds;
+  state.SetLabel(std::string(cpu::CpuIsaName(isa)));
+}
+
 std::string ShapeName(const Shape& s) { return absl::StrCat(s.name, "/", s.rows, "x", s.cols); }
 
 void RegisterAll() {
@@ -606,6 +677,19 @@ void RegisterAll() {
       benchmark::RegisterBenchmark(
           absl::StrCat("BM_Fp8VsDequantBf16/", ShapeName(shape), "/threads:", threads).c_str(),
           [=](benchmark::State& s) { BM_Fp8VsDequantBf16(s, shape, threads); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  // BF16 GEMV at the `real-shaped` lm_head (vocabulary 4096 x hidden 7168), every variant.
+  constexpr Shape kHead = {4096, 7168, "lm_head"};
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark(
+          absl::StrCat("BM_Bf16Gemv_", std::string(cpu::CpuIsaName(isa)), "/", ShapeName(kHead),
+                       "/threads:", threads)
+              .c_str(),
+          [=](benchmark::State& s) { BM_Bf16Gemv(s, isa, kHead, threads); })
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
     }

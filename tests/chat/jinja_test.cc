@@ -328,5 +328,21 @@ TEST(PyJsonDumps, MatchesPythonJsonDumps) {
             R"({"a": "\u00fc", "b": 1})");
 }
 
+// The render budget: loops nested over a large input stop with an error naming the budget
+// (2 * 10^6 statements and loop iterations, 256 MiB of text) instead of running for minutes or
+// exhausting memory; a template that stays under it is untouched.
+TEST(JinjaBudget, NestedLoopsAndHugeOutputStopWithAnError) {
+  const json big = {{"n", 2000}};
+  EXPECT_THAT(R("{% for i in range(n) %}{% for j in range(n) %}{% endfor %}{% endfor %}", big),
+              HasSubstr("rendering took more than 2000000 steps"));
+  EXPECT_THAT(R("{% for i in range(1000000) %}{{ 'x' * 1000 }}{% endfor %}"),
+              HasSubstr("exceeds 268435456 bytes"));
+  const json ok = {{"n", 500}};
+  EXPECT_EQ(R("{% set ns = namespace(c=0) %}{% for i in range(n) %}{% for j in range(n) %}"
+              "{% set ns.c = ns.c + 1 %}{% endfor %}{% endfor %}{{ ns.c }}",
+              ok),
+            "250000");
+}
+
 }  // namespace
 }  // namespace hmoe::jinja

@@ -27,6 +27,7 @@
 #include "proto/hmoe_v1.grpc.pb.h"
 #include "tests/integration/child_process.h"
 #include "tests/integration/temp_dir.h"
+#include "tests/integration/test_stack.h"
 #include "tools/model_writer.h"
 
 #include "gtest/gtest.h"
@@ -37,6 +38,8 @@ namespace {
 
 using ::hmoe::testing::ChildOptions;
 using ::hmoe::testing::ChildProcess;
+using ::hmoe::testing::TestStack;
+using ::hmoe::testing::TestStackOptions;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
@@ -135,51 +138,16 @@ TEST(BenchSmokeTest, BadFlagsExitTwoWithAMessage) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/node.json.tmp"));
 }
 
-int ReadPort(const std::string& path) {
-  const absl::Time end = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < end) {
-    const std::string text = ReadFile(path);
-    int port = 0;
-    if (absl::EndsWith(text, "\n") && absl::SimpleAtoi(absl::StripSuffix(text, "\n"), &port) &&
-        port > 0) {
-      return port;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return 0;
-}
-
-// Until the router lists a live decode worker and `prefill_workers` live prefill workers.
-bool WaitLive(const std::string& addr, int prefill_workers) {
-  auto stub = v1::Hmoe::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
-  const absl::Time end = absl::Now() + absl::Seconds(60);
-  while (absl::Now() < end) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    v1::RouterStatus st;
-    if (stub->GetStatus(&ctx, {}, &st).ok()) {
-      int decode = 0, prefill = 0;
-      for (const v1::WorkerInfo& w : st.workers()) {
-        if (w.state() != v1::WORKER_STATE_LIVE) continue;
-        (w.kind() == v1::WORKER_KIND_DECODE ? decode : prefill) += 1;
-      }
-      if (decode >= 1 && prefill >= prefill_workers) return true;
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
-// hmoe-weightd, a decode worker, `prefill_workers` prefill workers and the router on the `tiny`
-// checkpoint (written into `dir`), as child processes; `addr` is the router's. Stop() terminates
-// them, router first, and checks each exits 0.
+// hmoe-weightd, a decode worker, `prefill_workers` prefill workers and the router (gRPC and HTTP)
+// on the `tiny` checkpoint (written into `dir`), as child processes (tests/integration/
+// test_stack.h); `addr` and `http_addr` are the router's. Stop() terminates them, router first,
+// and checks each exits 0.
 class Stack {
  public:
   // False (with a test failure) when a process did not start or the workers did not register.
   bool Start(const std::string& dir, int prefill_workers) {
     ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "50", 1);
-    const std::string& d = dir;
-    model = d + "/tiny";
+    model = dir + "/tiny";
     absl::StatusOr<ModelPreset> preset = GetPreset("tiny");
     if (!preset.ok()) {
       ADD_FAILURE() << preset.status();
@@ -191,120 +159,29 @@ class Stack {
       ADD_FAILURE() << s;
       return false;
     }
-    const std::string instance = absl::StrCat("bench-", ::getpid(), "-", prefill_workers);
-    ChildOptions w;
-    w.argv = {kWeightd,      "--model",     model, "--instance", instance, "--socket",
-              d + "/w.sock", "--hugepages", "off", "--numa",     "off",    "--remove-on-exit"};
-    w.env = {{"HMOE_RUNTIME_DIR", d}};
-    w.stderr_path = d + "/weightd.log";
-    ChildProcess* weightd = Spawn(std::move(w));
-    if (weightd == nullptr) return false;
-    if (!weightd->WaitForOutput("SERVING instance", 60s, true).ok()) {
-      ADD_FAILURE() << weightd->ReadStderr();
-      return false;
-    }
-    ChildOptions dec;
-    dec.argv = {kDecode,
-                "--weightd-instance",
-                instance,
-                "--socket",
-                d + "/d.sock",
-                "--router",
-                "unix:" + d + "/r.sock",
-                "--worker-id",
-                "decode-0",
-                "--threads",
-                "1",
-                "--pin-threads=false",
-                "--heartbeat-ms",
-                "100",
-                "--kv-blocks",
-                "256",
-                "--kv-block-tokens",
-                "16",
-                "--drain-seconds",
-                "5"};
-    dec.stderr_path = d + "/decode.log";
-    if (Spawn(std::move(dec)) == nullptr) return false;
-    for (int i = 0; i < prefill_workers; ++i) {
-      ChildOptions p;
-      // Worker ids unique to the stack: a prefill worker removes the hand-off segments of its id
-      // at start-up (hmoe-kv-<id>-*).
-      p.argv = {kPrefill,
-                "--weightd-instance",
-                instance,
-                "--socket",
-                absl::StrCat(d, "/p", i, ".sock"),
-                "--device",
-                "cpu",
-                "--router",
-                "unix:" + d + "/r.sock",
-                "--worker-id",
-                absl::StrCat("prefill-", ::getpid(), "-", i),
-                "--threads",
-                "1",
-                "--pin-threads=false",
-                "--heartbeat-ms",
-                "100",
-                "--drain-seconds",
-                "5"};
-      p.stderr_path = absl::StrCat(d, "/prefill-", i, ".log");
-      if (Spawn(std::move(p)) == nullptr) return false;
-    }
-    ChildOptions r;
-    r.argv = {kRouter,
-              "--listen=127.0.0.1:0",
-              "--model=" + model,
-              "--registry-socket=" + d + "/r.sock",
-              "--port-file=" + d + "/port",
-              "--http-listen=127.0.0.1:0",
-              "--http-port-file=" + d + "/http_port",
-              "--drain-seconds=5"};
-    r.stderr_path = d + "/router.log";
-    ChildProcess* router = Spawn(std::move(r));
-    if (router == nullptr) return false;
-    const int port = ReadPort(d + "/port");
-    if (port <= 0) {
-      ADD_FAILURE() << router->ReadStderr();
-      return false;
-    }
-    addr = absl::StrCat("127.0.0.1:", port);
-    const int http_port = ReadPort(d + "/http_port");
-    if (http_port <= 0) {
-      ADD_FAILURE() << router->ReadStderr();
-      return false;
-    }
-    http_addr = absl::StrCat("127.0.0.1:", http_port);
-    if (!WaitLive(addr, prefill_workers)) {
-      ADD_FAILURE() << "workers did not register: " << router->ReadStderr();
-      return false;
-    }
+    TestStackOptions o;
+    o.binaries = {kWeightd, kRouter, kDecode, kPrefill};
+    o.model = model;
+    o.run_dir = absl::StrCat(dir, "/stack-", prefill_workers);
+    o.tag = absl::StrCat("bench-", prefill_workers);
+    o.prefill_workers = prefill_workers;
+    o.http = true;
+    o.prefill_flags = {"--threads", "1", "--pin-threads=false", "--heartbeat-ms", "100"};
+    stack_ = TestStack::Start(std::move(o));
+    if (stack_ == nullptr) return false;
+    addr = stack_->grpc_addr();
+    http_addr = stack_->http_addr();
     return true;
   }
 
-  void Stop() {
-    for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
-      EXPECT_EQ((*it)->Terminate(30s).value_or(-1), 0) << (*it)->ReadStderr();
-    }
-    children_.clear();
-  }
+  void Stop() { stack_.reset(); }
 
   std::string model;
   std::string addr;
   std::string http_addr;  // the OpenAI-compatible API (--http-listen)
 
  private:
-  ChildProcess* Spawn(ChildOptions o) {
-    absl::StatusOr<ChildProcess> c = ChildProcess::Start(std::move(o));
-    if (!c.ok()) {
-      ADD_FAILURE() << c.status();
-      return nullptr;
-    }
-    children_.push_back(std::make_unique<ChildProcess>(*std::move(c)));
-    return children_.back().get();
-  }
-
-  std::vector<std::unique_ptr<ChildProcess>> children_;  // destroyed in reverse: router first
+  std::unique_ptr<TestStack> stack_;
 };
 
 // The fields docs/bench.md lists for every request.

@@ -1,6 +1,7 @@
 // Tests of the dense CPU ops added for the engine (common/kernels/cpu/bf16_gemv.h, f32_ops.h):
 // every variant against a plain loop.
 
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -37,11 +38,8 @@ TEST(CpuIsaOverrideTest, Bf16AndF32OpsFollowTheFp8Choice) {
     EXPECT_FALSE(F32OpsUseAvx512());
     EXPECT_EQ(F32OpsIsa(), isa);  // the AVX2 F32 ops, not the portable loops, under avx2
   }
-  // The BF16 GEMV has no AVX2 variant: AVX2 machines (and forced AVX2) use the scalar one.
-  // Nor an AMX one: amx machines use the avx512bf16 BF16 GEMV.
-  EXPECT_EQ(DefaultBf16Gemv().isa(), isa == CpuIsa::kAvx2  ? CpuIsa::kScalar
-                                     : isa == CpuIsa::kAmx ? CpuIsa::kAvx512Bf16
-                                                           : isa);
+  // The BF16 GEMV has a variant per level except AMX: amx machines use the avx512bf16 one.
+  EXPECT_EQ(DefaultBf16Gemv().isa(), isa == CpuIsa::kAmx ? CpuIsa::kAvx512Bf16 : isa);
   if (isa >= CpuIsa::kAvx512) {
     EXPECT_TRUE(F32OpsUseAvx512());
     EXPECT_EQ(F32OpsIsa(), CpuIsa::kAvx512);
@@ -89,12 +87,25 @@ TEST_P(Bf16GemvTest, MatchesPlainLoop) {
         }
       }
       EXPECT_EQ(y[(n - 1) * rows + rows - 3], -1.0f);  // beyond the range: untouched
+      // A token's result does not depend on the other tokens of the call (the engine's batch
+      // invariance): each token alone gives the same bits.
+      for (int t = 0; t < n; ++t) {
+        std::vector<float> alone(rows, -1.0f);
+        (*gemv)->MatVec(view, packed.data() + t * packed_stride, packed_stride, 1, 3, rows,
+                        alone.data(), rows);
+        for (int64_t r = 3; r < rows; ++r) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(alone[r - 3]),
+                    std::bit_cast<uint32_t>(y[t * rows + (r - 3)]))
+              << "cols " << cols << " n " << n << " t " << t << " r " << r;
+        }
+      }
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, Bf16GemvTest,
-                         ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16),
+                         ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512,
+                                           CpuIsa::kAvx512Bf16),
                          [](const auto& info) { return std::string(CpuIsaName(info.param)); });
 
 // One F32-ops variant's entry points (f32_ops.h internal).

@@ -415,6 +415,22 @@ TEST(GgufFile, DuplicateKeysAndTensorsAreErrors) {
               HasSubstr("duplicate tensor x"));
 }
 
+// A caller that names the alignment in the metadata too gets one key, not a duplicate.
+TEST(GgufFile, AnAlignmentKeyFromTheCallerIsWrittenOnce) {
+  TempDir dir("gguf");
+  {
+    GgufWriter w(dir.File("a.gguf"), 64);
+    w.AddMetadata("general.alignment", GgufValue::U32(64));
+    ASSERT_TRUE(w.AddTensor("x", {4}, T(GgmlType::kF32)).ok());
+    ASSERT_TRUE(w.Begin().ok());
+    ASSERT_TRUE(w.WriteTensorData("x", std::vector<std::byte>(16)).ok());
+    ASSERT_TRUE(w.Finish().ok());
+  }
+  absl::StatusOr<std::unique_ptr<GgufFile>> f = GgufFile::Open(dir.File("a.gguf"));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->alignment(), 64u);
+}
+
 TEST(GgufFile, MissingFileIsNotFound) {
   EXPECT_EQ(GgufModel::Open("/nonexistent/model.gguf").status().code(),
             absl::StatusCode::kNotFound);

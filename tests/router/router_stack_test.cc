@@ -59,6 +59,7 @@
 #include "proto/worker_registry.grpc.pb.h"
 #include "tests/decode_worker/decode_test_util.h"
 #include "tests/integration/child_process.h"
+#include "tests/integration/test_stack.h"
 
 #include "gtest/gtest.h"
 
@@ -67,6 +68,10 @@ namespace {
 
 using ::hmoe::testing::ChildOptions;
 using ::hmoe::testing::ChildProcess;
+using ::hmoe::testing::ReadPortFile;
+using ::hmoe::testing::TestStack;
+using ::hmoe::testing::TestStackOptions;
+using ::hmoe::testing::WaitForLiveWorkers;
 using namespace std::chrono_literals;
 namespace v1 = hmoe::v1;
 
@@ -128,9 +133,8 @@ struct Stream {
 // A client of the router's public API.
 class Client {
  public:
-  explicit Client(int port) {
-    channel_ =
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  explicit Client(int port) : addr_(absl::StrCat("127.0.0.1:", port)) {
+    channel_ = grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials());
     stub_ = v1::Hmoe::NewStub(channel_);
     health_ = grpc::health::v1::Health::NewStub(channel_);
   }
@@ -189,45 +193,15 @@ class Client {
 
   // Waits until the router lists `decode` live decode and `prefill` live prefill workers.
   bool WaitLive(int decode, int prefill, absl::Duration timeout = absl::Seconds(60)) {
-    const absl::Time end = absl::Now() + timeout;
-    while (absl::Now() < end) {
-      int d = 0, p = 0;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-      v1::RouterStatus st;
-      if (stub_->GetStatus(&ctx, {}, &st).ok()) {
-        for (const v1::WorkerInfo& w : st.workers()) {
-          if (w.state() != v1::WORKER_STATE_LIVE) continue;
-          (w.kind() == v1::WORKER_KIND_DECODE ? d : p)++;
-        }
-        if (d >= decode && p >= prefill) return true;
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return false;
+    return WaitForLiveWorkers(addr_, decode, prefill, timeout);
   }
 
  private:
+  std::string addr_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Hmoe::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
-
-// Polls a port file the router writes once it listens.
-int ReadPort(const std::string& path, absl::Duration timeout = absl::Seconds(60)) {
-  const absl::Time end = absl::Now() + timeout;
-  while (absl::Now() < end) {
-    std::ifstream f(path);
-    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    int port = 0;
-    if (absl::EndsWith(text, "\n") && absl::SimpleAtoi(absl::StripSuffix(text, "\n"), &port) &&
-        port > 0) {
-      return port;
-    }
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return 0;
-}
 
 // Runs a command to completion; its exit code and stdout.
 std::pair<int, std::string> Run(std::vector<std::string> argv, const std::string& tag) {
@@ -298,147 +272,45 @@ void ExpectAgreement(const std::vector<int32_t>& prompt, const Stream& s, int ma
   EXPECT_TRUE(a->ok()) << what << ":" << a->detail;
 }
 
-// weightd + decode worker (+ prefill workers) + router as child processes of the test.
+// weightd + decode worker (+ prefill workers) + router as child processes of the test
+// (tests/integration/test_stack.h), with a client of the router and the workers' own status.
 class Stack {
  public:
-  // `router_flags` and `decode_flags` are appended to the defaults.
+  // `router_flags`, `decode_flags` and `prefill_flags` are appended to the defaults.
   static std::unique_ptr<Stack> Start(const std::string& tag, int prefill_workers,
                                       std::vector<std::string> router_flags,
                                       std::vector<std::string> decode_flags = {},
                                       std::vector<std::string> prefill_flags = {}) {
+    TestStackOptions o;
+    o.binaries = {kWeightd, kRouter, kDecode, kPrefill};
+    o.model = g_shared->model;
+    o.run_dir = absl::StrCat(g_shared->dir, "/", tag);
+    o.tag = tag;
+    o.prefill_workers = prefill_workers;
+    o.router_flags = std::move(router_flags);
+    o.decode_flags = std::move(decode_flags);
+    o.prefill_flags = std::move(prefill_flags);
     auto s = std::unique_ptr<Stack>(new Stack());
-    s->run_ = absl::StrCat(g_shared->dir, "/", tag);
-    std::filesystem::create_directories(s->run_);
-    std::filesystem::permissions(s->run_, std::filesystem::perms::owner_all);
-    s->instance_ = absl::StrCat("stack-", tag, "-", ::getpid());
-    const std::string registry = "unix:" + s->run_ + "/router.sock";
-
-    ChildOptions w;
-    w.argv = {kWeightd,
-              "--model",
-              g_shared->model,
-              "--instance",
-              s->instance_,
-              "--socket",
-              s->run_ + "/weightd.sock",
-              "--hugepages",
-              "off",
-              "--numa",
-              "off",
-              "--remove-on-exit"};
-    w.env = {{"HMOE_RUNTIME_DIR", s->run_}};
-    w.stderr_path = s->run_ + "/weightd.log";
-    if (!s->Spawn(std::move(w), &s->weightd_)) return nullptr;
-    if (absl::Status st = s->weightd_->WaitForOutput("SERVING instance", 60s, true); !st.ok()) {
-      ADD_FAILURE() << st << "\n" << s->weightd_->ReadStderr();
-      return nullptr;
-    }
-
-    ChildOptions r;
-    r.argv = {kRouter,
-              "--listen=127.0.0.1:0",
-              "--model=" + g_shared->model,
-              "--registry-socket=" + s->run_ + "/router.sock",
-              "--port-file=" + s->run_ + "/port",
-              "--heartbeat-timeout-ms=1000",
-              "--drain-seconds=5"};
-    r.argv.insert(r.argv.end(), router_flags.begin(), router_flags.end());
-    r.stderr_path = s->run_ + "/router.log";
-    if (!s->Spawn(std::move(r), &s->router_)) return nullptr;
-
-    ChildOptions d;
-    d.argv = {kDecode,
-              "--weightd-instance",
-              s->instance_,
-              "--socket",
-              s->run_ + "/decode.sock",
-              "--router",
-              registry,
-              "--worker-id",
-              "decode-0",
-              "--threads",
-              "1",
-              "--pin-threads=false",
-              "--heartbeat-ms",
-              "100",
-              "--kv-blocks",
-              "256",
-              "--kv-block-tokens",
-              "16",
-              "--drain-seconds",
-              "5"};
-    d.argv.insert(d.argv.end(), decode_flags.begin(), decode_flags.end());
-    d.stderr_path = s->run_ + "/decode.log";
-    if (!s->Spawn(std::move(d), &s->decode_)) return nullptr;
-
-    s->tag_ = tag;
-    for (int i = 0; i < prefill_workers; ++i) {
-      ChildOptions p;
-      // Worker ids unique to the stack: a prefill worker removes the hand-off segments of its id
-      // at start-up (hmoe-kv-<id>-*), and stacks of this test may run at the same time.
-      const std::string id = s->PrefillId(i);
-      p.argv = {kPrefill,
-                "--weightd-instance",
-                s->instance_,
-                "--socket",
-                absl::StrCat(s->run_, "/prefill-", i, ".sock"),
-                "--device",
-                "cpu",
-                "--router",
-                registry,
-                "--worker-id",
-                id,
-                "--drain-seconds",
-                "5"};
-      p.argv.insert(p.argv.end(), prefill_flags.begin(), prefill_flags.end());
-      p.stderr_path = absl::StrCat(s->run_, "/prefill-", i, ".log");
-      s->prefill_.emplace_back();
-      if (!s->Spawn(std::move(p), &s->prefill_.back())) return nullptr;
-    }
-
-    const int port = ReadPort(s->run_ + "/port");
-    if (port == 0) {
-      ADD_FAILURE() << "router did not listen: " << s->router_->ReadStderr();
-      return nullptr;
-    }
-    s->client_ = std::make_unique<Client>(port);
-    if (!s->client_->WaitLive(1, prefill_workers)) {
-      ADD_FAILURE() << "workers did not register:\n"
-                    << s->router_->ReadStderr() << "\n"
-                    << s->decode_->ReadStderr();
-      return nullptr;
-    }
+    s->stack_ = TestStack::Start(std::move(o));
+    if (s->stack_ == nullptr) return nullptr;
+    s->client_ = std::make_unique<Client>(s->stack_->grpc_port());
     return s;
   }
 
-  ~Stack() {
-    // SIGTERM everything; each exits 0 after draining.
-    std::vector<ChildProcess*> children = {router_.get(), decode_.get()};
-    for (auto& p : prefill_) children.push_back(p.get());
-    children.push_back(weightd_.get());
-    for (ChildProcess* c : children) {
-      if (c == nullptr) continue;
-      EXPECT_EQ(c->Terminate(30s).value_or(-1), 0) << c->ReadStderr();
-    }
-  }
-
   Client& client() { return *client_; }
-  ChildProcess& decode() { return *decode_; }
-  ChildProcess& router() { return *router_; }
-  ChildProcess& prefill(int i) { return *prefill_[i]; }
-  std::string PrefillId(int i) const { return absl::StrCat(tag_, "-prefill-", i); }
-  const std::string& run() const { return run_; }
-
+  ChildProcess& decode() { return stack_->decode(); }
+  ChildProcess& router() { return stack_->router(); }
+  ChildProcess& prefill(int i) { return stack_->prefill(i); }
+  std::string PrefillId(int i) const { return stack_->PrefillId(i); }
+  const std::string& run() const { return stack_->run_dir(); }
   // SIGKILLs prefill worker i and reaps it (the destructor then skips it).
-  void KillPrefill(int i) {
-    EXPECT_TRUE(prefill_[i]->Kill().ok());
-    prefill_[i].reset();
-  }
+  void KillPrefill(int i) { stack_->KillPrefill(i); }
 
   // Prefill worker i's own status, over its socket.
   prefill::v1::PrefillStatus PrefillStatus(int i) {
-    auto stub = prefill::v1::PrefillService::NewStub(grpc::CreateChannel(
-        absl::StrCat("unix:", run_, "/prefill-", i, ".sock"), grpc::InsecureChannelCredentials()));
+    auto stub = prefill::v1::PrefillService::NewStub(
+        grpc::CreateChannel("unix:" + stack_->run(absl::StrCat("prefill-", i, ".sock")),
+                            grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     prefill::v1::PrefillStatus st;
@@ -448,8 +320,8 @@ class Stack {
 
   // The decode worker's own status, over its socket.
   decode::v1::WorkerStatus DecodeStatus() {
-    auto stub = decode::v1::DecodeService::NewStub(
-        grpc::CreateChannel("unix:" + run_ + "/decode.sock", grpc::InsecureChannelCredentials()));
+    auto stub = decode::v1::DecodeService::NewStub(grpc::CreateChannel(
+        "unix:" + stack_->run("decode.sock"), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
     decode::v1::WorkerStatus st;
@@ -459,24 +331,8 @@ class Stack {
 
  private:
   Stack() = default;
-  bool Spawn(ChildOptions o, std::unique_ptr<ChildProcess>* out) {
-    absl::StatusOr<ChildProcess> c = ChildProcess::Start(std::move(o));
-    if (!c.ok()) {
-      ADD_FAILURE() << c.status();
-      return false;
-    }
-    *out = std::make_unique<ChildProcess>(*std::move(c));
-    return true;
-  }
-
-  std::string run_;
-  std::string tag_;
-  std::string instance_;
-  std::unique_ptr<ChildProcess> weightd_;
-  std::unique_ptr<ChildProcess> router_;
-  std::unique_ptr<ChildProcess> decode_;
-  std::vector<std::unique_ptr<ChildProcess>> prefill_;
-  std::unique_ptr<Client> client_;
+  std::unique_ptr<Client> client_;  // destroyed after the stack: declared first
+  std::unique_ptr<TestStack> stack_;
 };
 
 class RouterStackTest : public ::testing::Test {
@@ -1276,7 +1132,7 @@ class SupervisedNode {
       return nullptr;
     }
     n->supervisord_ = std::make_unique<ChildProcess>(*std::move(sd));
-    const int port = ReadPort(port_file);
+    const int port = ReadPortFile(port_file);
     if (port == 0) {
       ADD_FAILURE() << "router did not listen: " << n->Log("router") << n->Log("supervisord");
       return nullptr;

@@ -2,12 +2,18 @@
 // server-sent-events parser on hand-made byte strings (events split anywhere across reads, CRLF
 // lines, comments, multi-line data, [DONE], a cut stream), the /v1/completions events folded into
 // a request record (text events, usage, finish reason, error events), the request body, and the
-// per-token metrics of a record whose events carry several tokens. Times are small binary
+// per-token metrics of a record whose events carry several tokens, and the client's deadline
+// against a server that stops talking. Times are small binary
 // fractions, so the metrics are exact up to a few ulps; 1e-12 bounds that.
 
 #include <cmath>
+#include <future>
 #include <string>
+#include <thread>
+#include <utility>  // before Boost.Asio: its awaitable.hpp uses std::exchange without it
 #include <vector>
+
+#include <boost/asio.hpp>
 
 #include "tools/bench/bench_runner.h"
 #include "tools/bench/bench_stats.h"
@@ -134,6 +140,8 @@ TEST(CompletionEventsTest, RequestBody) {
   EXPECT_EQ(j["cache_prompt"], true);
   EXPECT_EQ(j["stream"], true);
   EXPECT_EQ(j["stream_options"]["include_usage"], true);
+  q.cache_prompt = false;  // calibration's requests
+  EXPECT_EQ(nlohmann::json::parse(CompletionRequestBody(q))["cache_prompt"], false);
 }
 
 // Three events carrying 7 tokens: TPOT divides by the tokens, ITL stays per event.
@@ -162,6 +170,39 @@ TEST(CountedTokensTest, TpotPerTokenGapsPerEvent) {
   r.counted_tokens = -1;
   EXPECT_EQ(OutputTokens(r), 3);
   EXPECT_NEAR(Tpot(r), 1.0, kTol);
+}
+
+// A server that answers 200 with one event and then says nothing more, keeping the connection
+// open: a blocking client would wait forever. The deadline ends the exchange, keeps what was read
+// and says why.
+TEST(HttpClientTest, TheDeadlineEndsAStreamThatStopsTalking) {
+  namespace asio = boost::asio;
+  asio::io_context io;
+  asio::ip::tcp::acceptor acceptor(io, {asio::ip::make_address("127.0.0.1"), 0});
+  const int port = acceptor.local_endpoint().port();
+  std::promise<void> done;
+  std::thread server([&] {
+    asio::ip::tcp::socket s(io);
+    acceptor.accept(s);
+    asio::streambuf request;
+    asio::read_until(s, request, "\r\n\r\n");
+    asio::write(s, asio::buffer(std::string("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                            "Transfer-Encoding: chunked\r\n\r\n"
+                                            "f\r\ndata: {\"a\":1}\n\n\r\n")));
+    done.get_future().wait();  // silent until the client gave up
+  });
+  HttpClient client;
+  ASSERT_TRUE(client.Connect("127.0.0.1:" + std::to_string(port)).ok());
+  std::vector<std::string> events;
+  const HttpResponse r = client.Post(
+      "/v1/completions", "{}", [&](absl::string_view d) { events.emplace_back(d); }, {},
+      absl::Milliseconds(300));
+  done.set_value();
+  server.join();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(events, (std::vector<std::string>{"{\"a\":1}"}));
+  EXPECT_NE(r.transport_error.find("client deadline"), std::string::npos) << r.transport_error;
+  EXPECT_FALSE(r.keep_alive);
 }
 
 }  // namespace

@@ -9,12 +9,14 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 
 #include "tests/integration/temp_dir.h"
+#include "tools/bench/bench_runner.h"
 
 #include "gtest/gtest.h"
 
@@ -208,6 +210,50 @@ TEST(CalibrationFileTest, MissingUnreadableAndDirectory) {
     t = ReadCalibrationFile(locked);
     EXPECT_EQ(t.status().code(), absl::StatusCode::kPermissionDenied) << t.status();
   }
+}
+
+// A router that serves every request on the hinted path at once, with fixed times, and keeps what
+// it was sent.
+class RecordingClient final : public BenchClient {
+ public:
+  absl::StatusOr<v1::ModelInfo> ModelInfo() override { return v1::ModelInfo(); }
+  absl::StatusOr<v1::RouterStatus> RouterStatus() override { return v1::RouterStatus(); }
+  RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
+                    std::chrono::steady_clock::time_point) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent.push_back(request);
+    RequestResult r;
+    r.ok = true;
+    r.path = hint == v1::PATH_HINT_SLP ? "slp" : "chunked";
+    r.start_s = 0;
+    for (int64_t i = 0; i < request.max_new_tokens; ++i) r.token_s.push_back(0.1 * (i + 1));
+    r.end_s = r.token_s.back();
+    r.tokens.assign(request.max_new_tokens, 11);
+    r.finish_reason = "length";
+    return r;
+  }
+  bool StreamsTokenIds() const override { return true; }
+
+  std::mutex mu_;
+  std::vector<PlannedRequest> sent;
+};
+
+// Calibration measures the paths, never the prefix cache: no request may use or fill it, or a
+// warm cache would turn the ladder's SLP and chunked TTFTs into hit times.
+TEST(RunCalibrationTest, NoRequestUsesThePrefixCache) {
+  RecordingClient client;
+  v1::ModelInfo info;
+  info.set_context_length(4096);
+  info.set_vocab_size(1000);
+  CalibrateOptions o;
+  o.lengths = {32, 64};
+  o.batch_sizes = {1, 2};
+  o.repeats = 2;
+  absl::StatusOr<CalibrateReport> report = RunCalibration(client, info, o);
+  ASSERT_TRUE(report.ok()) << report.status();
+  // 2 warm-ups + 2 repeats x 2 lengths x 2 paths + 2 repeats x (1 + 2) decodes.
+  ASSERT_EQ(client.sent.size(), 2u + 8u + 6u);
+  for (const PlannedRequest& r : client.sent) EXPECT_FALSE(r.cache_prompt);
 }
 
 }  // namespace

@@ -90,7 +90,7 @@ RequestResult GrpcBenchClient::Run(const PlannedRequest& request, v1::PathHint h
   req.set_max_new_tokens(static_cast<int32_t>(request.max_new_tokens));
   req.set_ignore_eos(true);
   req.set_path_hint(hint);
-  req.set_cache_prompt(true);
+  req.set_cache_prompt(request.cache_prompt);
   r.token_s.reserve(request.max_new_tokens);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(timeout_s_)));
@@ -130,12 +130,12 @@ RequestResult GrpcBenchClient::Run(const PlannedRequest& request, v1::PathHint h
 
 std::string CompletionRequestBody(const PlannedRequest& request) {
   // As GrpcBenchClient's request: greedy (the HTTP API's default temperature is 1), forced length,
-  // the prefix cache on.
+  // the prefix cache as the request says.
   return nlohmann::json{{"prompt", request.prompt},
                         {"max_tokens", request.max_new_tokens},
                         {"temperature", 0},
                         {"ignore_eos", true},
-                        {"cache_prompt", true},
+                        {"cache_prompt", request.cache_prompt},
                         {"stream", true},
                         {"stream_options", {{"include_usage", true}}}}
       .dump();
@@ -191,7 +191,7 @@ void ApplyCompletionEvent(absl::string_view data, double now_s, RequestResult& r
 
 HttpBenchClient::HttpBenchClient(const std::string& grpc_addr, std::string http_addr,
                                  double timeout_s)
-    : grpc_(grpc_addr, timeout_s), http_addr_(std::move(http_addr)) {}
+    : grpc_(grpc_addr, timeout_s), http_addr_(std::move(http_addr)), timeout_s_(timeout_s) {}
 
 HttpBenchClient::~HttpBenchClient() = default;
 
@@ -234,7 +234,7 @@ RequestResult HttpBenchClient::Run(const PlannedRequest& request, v1::PathHint,
         [&](absl::string_view data) {
           ApplyCompletionEvent(data, Since(origin, Clock::now()), r, e);
         },
-        [&] { r.start_s = Since(origin, Clock::now()); });
+        [&] { r.start_s = Since(origin, Clock::now()); }, absl::Seconds(timeout_s_));
     r.end_s = Since(origin, Clock::now());
     if (reused && resp.status == 0 && attempt == 0) continue;
     if (!resp.transport_error.empty()) {
@@ -567,7 +567,9 @@ absl::StatusOr<CalibrateReport> RunCalibration(BenchClient& client, const v1::Mo
   const Clock::time_point origin = Clock::now();
   // Runs one request on a forced path and keeps it; its TTFT, or an error.
   auto prefill = [&](int64_t tokens, v1::PathHint hint, bool warmup) -> absl::StatusOr<double> {
-    RequestResult r = client.Run(Random(tokens, o.prefill_new_tokens, vocab, rng), hint, origin);
+    PlannedRequest request = Random(tokens, o.prefill_new_tokens, vocab, rng);
+    request.cache_prompt = false;  // a hit would measure the cache, not the path
+    RequestResult r = client.Run(request, hint, origin);
     r.index = static_cast<int64_t>(report.requests.size());
     r.warmup = warmup;
     r.scenario = "calibration";
@@ -613,6 +615,7 @@ absl::StatusOr<CalibrateReport> RunCalibration(BenchClient& client, const v1::Mo
       std::vector<PlannedRequest> plan;
       for (int i = 0; i < batch; ++i) {
         plan.push_back(Random(o.decode_prompt_tokens, o.step_tokens, vocab, rng));
+        plan.back().cache_prompt = false;
       }
       std::vector<RequestResult> out(plan.size());
       {

@@ -65,7 +65,7 @@ class BenchClient {
   virtual absl::StatusOr<v1::ModelInfo> ModelInfo() = 0;
   virtual absl::StatusOr<v1::RouterStatus> RouterStatus() = 0;
   // Sends one request (ignore_eos: it generates exactly max_new_tokens unless it fails; greedy;
-  // the prefix cache on) and records it, with times relative to `origin`.
+  // the prefix cache per request.cache_prompt) and records it, with times relative to `origin`.
   virtual RequestResult Run(const PlannedRequest& request, v1::PathHint hint,
                             std::chrono::steady_clock::time_point origin) = 0;
   // Whether the records carry the streamed token ids (multi-turn runs need them).
@@ -96,8 +96,10 @@ class GrpcBenchClient final : public BenchClient {
 // cached_prompt_tokens is usage.prompt_tokens_details.cached_tokens. The path hint cannot be sent
 // (only AUTO is accepted: the caller checks); path, workers, attempts and the router's Timing stay
 // empty. The model's vocabulary and context and the router's status come from the gRPC API at
-// `grpc_addr`. Keep-alive connections are pooled (one per request in flight); a request's start is
-// taken when it is written, so a new connection's set-up is not part of its times.
+// `grpc_addr`. Each request has the deadline `timeout_s` (written and answered in full within it,
+// or it fails with status "INCOMPLETE"/"NO_RESPONSE" and the connection is dropped). Keep-alive
+// connections are pooled (one per request in flight); a request's start is taken when it is
+// written, so a new connection's set-up is not part of its times.
 class HttpBenchClient final : public BenchClient {
  public:
   HttpBenchClient(const std::string& grpc_addr, std::string http_addr, double timeout_s);
@@ -111,6 +113,7 @@ class HttpBenchClient final : public BenchClient {
  private:
   GrpcBenchClient grpc_;
   const std::string http_addr_;
+  const double timeout_s_;  // deadline of each request, as the gRPC calls'
   std::mutex mu_;
   std::vector<std::unique_ptr<HttpClient>> idle_;  // guarded by mu_
 };

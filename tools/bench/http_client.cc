@@ -41,7 +41,7 @@ void SseParser::Feed(absl::string_view bytes, const OnData& on_data) {
 
 struct HttpClient::Impl {
   asio::io_context io;
-  tcp::socket socket{io};
+  beast::tcp_stream stream{io};
   beast::flat_buffer buffer;
   std::string host;
 };
@@ -59,8 +59,8 @@ absl::Status HttpClient::Connect(const std::string& host_port) {
   beast::error_code ec;
   tcp::resolver resolver(impl_->io);
   auto endpoints = resolver.resolve(host_port.substr(0, colon), host_port.substr(colon + 1), ec);
-  if (!ec) asio::connect(impl_->socket, endpoints, ec);
-  if (!ec) impl_->socket.set_option(tcp::no_delay(true), ec);
+  if (!ec) asio::connect(impl_->stream.socket(), endpoints, ec);
+  if (!ec) impl_->stream.socket().set_option(tcp::no_delay(true), ec);
   if (ec) {
     return absl::UnavailableError(absl::StrCat("connect to ", host_port, ": ", ec.message()));
   }
@@ -68,7 +68,8 @@ absl::Status HttpClient::Connect(const std::string& host_port) {
 }
 
 HttpResponse HttpClient::Post(const std::string& path, const std::string& body,
-                              const SseParser::OnData& on_data, const std::function<void()>& sent) {
+                              const SseParser::OnData& on_data, const std::function<void()>& sent,
+                              absl::Duration timeout) {
   HttpResponse out;
   bhttp::request<bhttp::string_body> req{bhttp::verb::post, path, 11};
   req.set(bhttp::field::host, impl_->host);
@@ -90,13 +91,34 @@ HttpResponse HttpClient::Post(const std::string& path, const std::string& body,
   };
   parser.on_chunk_body(on_chunk);
   beast::error_code ec;
+  // Asynchronous operations on this client's own io_context, run here until the exchange ends:
+  // only they honour the stream's expiry (a blocking read would wait forever on a silent server).
+  // The expiry is one point in time for the write and every read, so `timeout` bounds the whole
+  // exchange; when it passes, the stream closes the socket and the pending operation fails with
+  // beast::error::timeout.
+  if (timeout == absl::InfiniteDuration()) {
+    impl_->stream.expires_never();
+  } else {
+    impl_->stream.expires_after(absl::ToChronoNanoseconds(timeout));
+  }
   if (sent) sent();
-  bhttp::write(impl_->socket, req, ec);
-  if (!ec) bhttp::read_header(impl_->socket, impl_->buffer, parser, ec);
-  while (!ec && !parser.is_done()) bhttp::read_some(impl_->socket, impl_->buffer, parser, ec);
+  bhttp::async_write(impl_->stream, req, [&](beast::error_code wec, size_t) {
+    if (wec) {
+      ec = wec;
+      return;
+    }
+    bhttp::async_read(impl_->stream, impl_->buffer, parser,
+                      [&](beast::error_code rec, size_t) { ec = rec; });
+  });
+  impl_->io.restart();
+  impl_->io.run();
+  impl_->stream.expires_never();
   if (parser.is_header_done()) out.status = static_cast<int>(parser.get().result_int());
   if (ec) {
-    out.transport_error = ec.message();
+    out.transport_error = ec == beast::error::timeout
+                              ? absl::StrCat("no complete answer within ",
+                                             absl::FormatDuration(timeout), " (client deadline)")
+                              : ec.message();
     return out;
   }
   if (!parser.chunked()) {

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace hmoe::bench {
 
@@ -54,9 +55,12 @@ class HttpClient {
   absl::Status Connect(const std::string& host_port);
   // POSTs `body` (JSON) to `path` and reads the whole answer; each event of a text/event-stream
   // answer goes to `on_data` as its bytes arrive. `sent` (when set) is called just before the
-  // request is written, for the caller's clock.
+  // request is written, for the caller's clock. `timeout` bounds the whole exchange (writing the
+  // request and reading every byte of the answer): past it the connection is closed and
+  // transport_error says so (the answer's status and the events read so far are kept).
   HttpResponse Post(const std::string& path, const std::string& body,
-                    const SseParser::OnData& on_data, const std::function<void()>& sent = {});
+                    const SseParser::OnData& on_data, const std::function<void()>& sent = {},
+                    absl::Duration timeout = absl::InfiniteDuration());
 
  private:
   struct Impl;

@@ -62,6 +62,9 @@ std::vector<double> ArrivalTimes(const ArrivalSpec& spec, int n, std::mt19937_64
 struct PlannedRequest {
   std::vector<int32_t> prompt;
   int64_t max_new_tokens = 1;
+  // Whether the request may use and fill the prefix cache (gRPC `cache_prompt`, HTTP
+  // `cache_prompt`). Calibration turns it off: it measures prefill paths, never cache hits.
+  bool cache_prompt = true;
 };
 // `n` requests: lengths from the specs (prompt + output clamped to the context), prompt token ids
 // uniform in [10, vocab_size) so they are neither special nor shared between requests.

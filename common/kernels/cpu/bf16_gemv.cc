@@ -76,15 +76,16 @@ absl::StatusOr<std::unique_ptr<Bf16Gemv>> NewBf16Gemv(CpuIsa isa) {
   if (isa == CpuIsa::kAvx512 && CpuSupports(isa)) {
     return std::unique_ptr<Bf16Gemv>(internal::NewAvx512Bf16Gemv());
   }
+  if (isa == CpuIsa::kAvx2 && CpuSupports(isa)) {
+    return std::unique_ptr<Bf16Gemv>(internal::NewAvx2Bf16Gemv());
+  }
   return absl::UnavailableError(
       absl::StrCat("bf16 gemv: no ", std::string(CpuIsaName(isa)), " variant on this CPU"));
 }
 
 const Bf16Gemv& DefaultBf16Gemv() {
   static const Bf16Gemv* const kDefault = [] {
-    const CpuIsa best = BestCpuIsa();
-    const CpuIsa isa = best == CpuIsa::kAvx2 ? CpuIsa::kScalar : best;
-    absl::StatusOr<std::unique_ptr<Bf16Gemv>> gemv = NewBf16Gemv(isa);
+    absl::StatusOr<std::unique_ptr<Bf16Gemv>> gemv = NewBf16Gemv(BestCpuIsa());
     HMOE_CHECK_OK(gemv.status());
     return gemv->release();
   }();

@@ -9,9 +9,9 @@
 //
 // with the activation rounded to BF16 (round to nearest even) and the products accumulated in
 // F32 in an order that depends on the variant (results agree to F32 rounding, not bitwise).
-// Variants: a scalar reference, AVX-512 F/BW (each BF16 pair widened to exact F32, FMAs) and
-// AVX-512 BF16 (vdpbf16ps, which flushes BF16 subnormals to zero). Kernels never start threads:
-// callers split the rows into ranges.
+// Variants: a scalar reference, AVX2+FMA and AVX-512 F/BW (each BF16 pair widened to exact F32,
+// FMAs) and AVX-512 BF16 (vdpbf16ps, which flushes BF16 subnormals to zero). Kernels never start
+// threads: callers split the rows into ranges.
 
 #include <cstddef>
 #include <cstdint>
@@ -60,14 +60,14 @@ class Bf16Gemv {
   Bf16Gemv();
 };
 
-// kScalar always; kAvx512 / kAvx512Bf16 when supported; Unavailable otherwise (there is no AVX2
-// variant: such CPUs use the scalar one).
+// kScalar always; kAvx2 / kAvx512 / kAvx512Bf16 when supported; Unavailable otherwise.
 absl::StatusOr<std::unique_ptr<Bf16Gemv>> NewBf16Gemv(CpuIsa isa);
 // The fastest variant for BestCpuIsa(). Never null; lives forever.
 const Bf16Gemv& DefaultBf16Gemv();
 
 namespace internal {
 Bf16Gemv* NewScalarBf16Gemv();
+Bf16Gemv* NewAvx2Bf16Gemv();        // only after a CPU check
 Bf16Gemv* NewAvx512Bf16Gemv();      // only after a CPU check
 Bf16Gemv* NewAvx512Bf16Bf16Gemv();  // only after a CPU check
 }  // namespace internal
