@@ -48,6 +48,8 @@ struct Shape {
 };
 constexpr Shape kGateUp = {2048, 7168, "expert_gate_up"};
 constexpr Shape kDown = {7168, 2048, "expert_down"};
+// A Q8_0 projection of the attention block / shared experts (Q4_K_M's Q8_0 tensors).
+constexpr Shape kProj = {2048, 7168, "proj"};
 
 struct TypeDesc {
   uint32_t type;
@@ -341,6 +343,22 @@ void RegisterAll() {
             ->Unit(benchmark::kMillisecond);
       }
     }
+    // Q8_0 (attention projections, shared experts, dense layers of a Q4_K_M file): one token.
+    const uint32_t q8 = cpu::kGgmlQ8_0;
+    for (int threads : {1, 2}) {
+      benchmark::RegisterBenchmark(
+          absl::StrCat("BM_QuantGemv_", std::string(cpu::CpuIsaName(isa)), "/Q8_0/", kProj.name,
+                       "/", kProj.rows, "x", kProj.cols, "/n:1/threads:", threads)
+              .c_str(),
+          [=](benchmark::State& s) { BM_QuantGemv(s, q8, isa, kProj, 1, threads); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+    benchmark::RegisterBenchmark(
+        absl::StrCat("BM_QuantGemvL2_", std::string(cpu::CpuIsaName(isa)), "/Q8_0/64x7168/n:1")
+            .c_str(),
+        [=](benchmark::State& s) { BM_QuantGemvL2(s, q8, isa, 1); })
+        ->Unit(benchmark::kMillisecond);
   }
 }
 

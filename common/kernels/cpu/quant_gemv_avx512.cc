@@ -582,6 +582,58 @@ bool GemmK(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_
 #define HMOE_QIMPL_VNNI 1
 #include "common/kernels/cpu/quant_gemv_q8_0_impl.h"
 
+// Q8_0 GEMV in zmm: two rows per pass (row m in the low 256 bits, m + 1 in the high ones), each
+// half exactly RowsQ8_0's ymm for its row (the same vpdpbusd on the biased quants from -128 * the
+// block's activation sum in lane 0, the same d_w * d_x product and FMA per block, the same
+// horizontal sum), so the result is bitwise RowsQ8_0's and GemmQ8_0's. The token's 32 activation
+// quants are loaded once for both rows. While a pair runs, the next pair's rows are prefetched
+// (prefetcht1, one per row per 34-byte block), a whole row of lookahead as in the FP8 GEMV: on
+// the 2026-11-28 Sapphire Rapids measurement (docs/PERFORMANCE.md) it beat prefetcht0 of the
+// next rows and prefetcht0 at 1, 2 or 4 KiB ahead in the same rows.
+template <int N>
+void RowsQ8_0Pairs(const QuantMatrixView& w, const BlockQ8K* x, int64_t x_stride, int64_t m_begin,
+                   int64_t m_end, float* y, int64_t y_stride) {
+  const int64_t nb = w.cols / 32;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __mmask16 lanes_0_8 = 0x0101;
+  for (int64_t m = m_begin; m < m_end; m += 2) {
+    const uint8_t* row_a = w.data + m * w.row_stride;
+    const uint8_t* row_b = m + 1 < m_end ? row_a + w.row_stride : row_a;
+    // The next pair (or, for the last pair, these rows again: the prefetches are then no-ops).
+    const uint8_t* next_a = m + 2 < m_end ? row_a + 2 * w.row_stride : row_a;
+    const uint8_t* next_b = m + 3 < m_end ? row_a + 3 * w.row_stride : next_a;
+    __m512 acc[N];
+    HMOE_UNROLL for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* blk_a = row_a + j * 34;
+      const uint8_t* blk_b = row_b + j * 34;
+      _mm_prefetch(reinterpret_cast<const char*>(next_a + j * 34), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next_b + j * 34), _MM_HINT_T1);
+      const __m512i u = _mm512_xor_si512(
+          _mm512_inserti64x4(_mm512_castsi256_si512(Load256(blk_a + 2)), Load256(blk_b + 2), 1),
+          bias);
+      const __m512 d =
+          _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(Half(blk_a))),
+                                              _mm256_castps_pd(_mm256_set1_ps(Half(blk_b))), 1));
+      HMOE_UNROLL for (int t = 0; t < N; ++t) {
+        const BlockQ8K& a = x[t * x_stride + j / 8];
+        const int sum = -128 * (a.bsums[2 * (j % 8)] + a.bsums[2 * (j % 8) + 1]);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_maskz_set1_epi32(lanes_0_8, sum), u,
+                                                Broadcast256(a.qs + (j % 8) * 32));
+        acc[t] =
+            _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.d)), _mm512_cvtepi32_ps(dot), acc[t]);
+      }
+    }
+    HMOE_UNROLL for (int t = 0; t < N; ++t) {
+      y[t * y_stride + (m - m_begin)] = HorizontalSumQ(_mm512_castps512_ps256(acc[t]));
+      if (m + 1 < m_end) {
+        y[t * y_stride + (m + 1 - m_begin)] =
+            HorizontalSumQ(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1)));
+      }
+    }
+  }
+}
+
 using RowsFn = void (*)(const QuantMatrixView&, const BlockQ8K*, int64_t, int64_t, int64_t, float*,
                         int64_t);
 
@@ -595,7 +647,7 @@ RowsFn RowsFor(uint32_t type) {
     case kGgmlQ6_K:
       return RowsQ6K<N>;
     case kGgmlQ8_0:
-      return RowsQ8_0<N>;
+      return RowsQ8_0Pairs<N>;
     case kGgmlQ5_0:
       return RowsQ5_0<N>;
     default:
