@@ -262,8 +262,8 @@ TEST(Fp8GemmTest, All256CodesAndNaN) {
 TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
   const struct {
     int64_t rows, cols, m;
-  } kShapes[] = {{7, 128, 5}, {130, 200, 9},      {257, 129, 13}, {64, 192, 4}, {300, 1000, 33},
-                 {50, 64, 1}, {129, 7 * 128, 40}, {40, 2200, 11}, {17, 2049, 3}};
+  } kShapes[] = {{7, 128, 5}, {130, 200, 9},      {257, 129, 13}, {64, 192, 4},  {300, 1000, 33},
+                 {50, 64, 1}, {129, 7 * 128, 40}, {40, 2200, 11}, {17, 2049, 3}, {20, 16 * 128, 6}};
   int checked = 0;
   for (CpuIsa isa : SupportedIsas()) {
     if (!Fp8GemmMatchesGemv(isa)) continue;
