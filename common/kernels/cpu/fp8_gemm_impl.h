@@ -537,6 +537,26 @@ void ExactRun(const Fp8MatrixView& w, const std::byte* x, int64_t x_stride, int6
     const int rows = static_cast<int>(r1 - r0);
     ExpandRowsAB(w.data + r0 * w.row_stride, w.row_stride, rows, w.cols, scratch);
     a.scales = w.scale_inv + (r0 / kBlock) * w.scale_stride;
+    // The next panel's FP8 rows are prefetched into L2 while this panel is multiplied, spread over
+    // the micro-kernel calls (a burst would stall on the fill buffers): with few tokens (an
+    // expert's ~16 in a prefill) reading the weights is a large part of the time.
+    int64_t n1 = (r1 / kBlock + 1) * kBlock;
+    if (n1 > r_end) n1 = r_end;
+    if (n1 > r1 + panel) n1 = r1 + panel;
+    const int64_t w_lines_per_row = CeilDiv(w.cols, 64);
+    const int64_t w_lines = (n1 - r1) * w_lines_per_row;
+    const int64_t calls =
+        CeilDiv(m, kExactTokens) * CeilDiv(blocks, kChunkBlocks) * CeilDiv(rows, kExactRows);
+    const int64_t w_per_call = CeilDiv(w_lines, calls);
+    int64_t w_line = 0;
+    const auto prefetch_weights = [&] {
+      for (int64_t end = w_line + w_per_call < w_lines ? w_line + w_per_call : w_lines;
+           w_line < end; ++w_line) {
+        const uint8_t* p = w.data + (r1 + w_line / w_lines_per_row) * w.row_stride +
+                           (w_line % w_lines_per_row) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+      }
+    };
     for (int64_t t0 = 0; t0 < m; t0 += kExactTokens) {
       const int tokens = static_cast<int>(m - t0 < kExactTokens ? m - t0 : kExactTokens);
       a.x = x + t0 * x_stride;
@@ -572,6 +592,7 @@ void ExactRun(const Fp8MatrixView& w, const std::byte* x, int64_t x_stride, int6
         int r = 0;
         for (; r + kExactRows <= rows; r += kExactRows) {
           prefetch_slice();
+          prefetch_weights();
           a.w = scratch + r * a.w_row_bytes;
           a.y = y + t0 * y_stride + (r0 - r_begin) + r;
           a.totals = totals + r * kExactTokens * 16;
