@@ -160,8 +160,8 @@ HMOE_AVX2_INLINE void FinishNan(const TileArgs& a, __m256i nan_max) {
   }
 }
 
-// R rows x N tokens over all K columns, one step per 32 columns (the reference schedule: what
-// every other tile of this file computes, bitwise).
+// R rows x N tokens over all K columns, one step per 32 columns (kept as it was: the reference
+// schedule, and the kernel for 3 or more tokens).
 template <int R, int N>
 __attribute__((noinline)) void Tile(const TileArgs& a) {
   const Consts k;
@@ -184,12 +184,26 @@ __attribute__((noinline)) void Tile(const TileArgs& a) {
       const float* x = a.x + c;
       HMOE_UNROLL
       for (int r = 0; r < R; ++r) {
-        const __m256i codes = LoadCodes(a.w + r * a.row_stride + c, k1 - c);
+        const uint8_t* p = a.w + r * a.row_stride + c;
+        __m256i codes;
+        if (k1 - c >= kStep) {
+          codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        } else {
+          alignas(32) uint8_t tail[kStep] = {};
+          std::memcpy(tail, p, static_cast<size_t>(k1 - c));
+          codes = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail));
+        }
         nan_max = _mm256_max_epu8(nan_max, _mm256_or_si256(codes, k.high_bit));
         Dot32<N>(codes, k, x, a.x_stride, acc0[r], acc1[r]);
       }
       // Every 64 columns, one line of each row of the next tile.
-      if (a.pf_end != nullptr && ((c - k0) & 63) == 0) PrefetchNext<R>(a, c);
+      if (a.pf_end != nullptr && ((c - k0) & 63) == 0) {
+        HMOE_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* line = a.pf + r * a.row_stride + c;
+          if (line < a.pf_end) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+        }
+      }
     }
     const __m256 s = _mm256_set1_ps(a.scales[k0 / kScaleBlock] * 256.0f);
     HMOE_UNROLL
@@ -205,7 +219,18 @@ __attribute__((noinline)) void Tile(const TileArgs& a) {
     HMOE_UNROLL
     for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = ReduceAdd(total[r][t]);
   }
-  FinishNan<R, N>(a, nan_max);
+  const __m256i all_ones = _mm256_cmpeq_epi8(nan_max, nan_max);
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(nan_max, all_ones)) != 0) {
+    HMOE_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* row = a.w + r * a.row_stride;
+      bool nan = false;
+      for (int64_t c = 0; c < a.k && !nan; ++c) nan = IsNanCode(row[c]);
+      if (!nan) continue;
+      HMOE_UNROLL
+      for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = __builtin_nanf("");
+    }
+  }
 }
 
 // Halves of columns [k0, k1) (one 128-column block or the last, shorter one) of the tile's R
