@@ -19,11 +19,11 @@
 //   activations stored as [A even 16][A odd 16][B even 16][B odd 16] (256 bytes per 64 columns).
 // Each 128-wide block of a row accumulates in F32 and is scaled once ("post-scaling").
 //
-// Tiles: up to 2 tokens, R rows (4) run over all K with their accumulators in registers while the
-// next R rows are prefetched row by row (Fp8GemvOptions; measurements in docs/PERFORMANCE.md).
-// From 3 tokens on, WideTile keeps 16 rows' totals in L1 and walks K blocks outermost, so the
-// activations stay in L1. Rows are never reordered: the checkpoint's row-major bytes are read in
-// place.
+// Tiles: up to 2 tokens, R rows (4; 8 for one token on the BF16 variant) run over all K with their
+// accumulators in registers while the next R rows are prefetched row by row (Fp8GemvOptions;
+// measurements in docs/PERFORMANCE.md). From 3 tokens on, WideTile keeps 16 rows' totals in L1 and
+// walks K blocks outermost, so the activations stay in L1. Rows are never reordered: the
+// checkpoint's row-major bytes are read in place.
 //
 // Before including, define HMOE_FP8_AVX512_BF16 to 0 or 1.
 
@@ -267,9 +267,14 @@ __attribute__((noinline)) void Tile(const TileArgs& a) {
 }
 
 // Rows per tile for N tokens: R * N block accumulators plus as many totals must fit in 32 zmm
-// registers next to the tables and the activation vectors.
+// registers next to the tables and the activation vectors. One token on the BF16 variant reads
+// 8 rows side by side (8 demand streams plus the next tile's 8 prefetched ones): with 4, its
+// shorter loop (one vdpbf16ps per 32 weights) left the memory idle between misses on Zen 5
+// (cold expert GEMV at 0.73-0.80 of the best read vs 0.91-1.03 with 8; docs/PERFORMANCE.md).
+// Per-row arithmetic does not depend on R, so results are bitwise the same.
 template <int N>
 constexpr int TileRows() {
+  if constexpr (N == 1 && kBf16Dot) return 8;
   return N <= 2 ? 4 : (N <= 4 ? 2 : 1);
 }
 
