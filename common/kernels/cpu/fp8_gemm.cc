@@ -196,10 +196,11 @@ int64_t Fp8GemmMinTokens(CpuIsa isa) {
 }
 
 bool Fp8GemmMatchesGemv(CpuIsa isa) {
-  // The AVX-512 variants replay the GEMV's per-token operations (fp8_gemm_impl.h); the AVX2
-  // variant puts tokens in the lanes and sums in another order. Checked bitwise by
+  // The AVX2 and AVX-512 variants replay the GEMV's per-token operations (fp8_gemm_avx2.cc,
+  // fp8_gemm_impl.h), the AMX one its tile operations (fp8_amx_impl.h). Checked bitwise by
   // tests/kernels/fp8_gemm_test.cc.
-  return isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16 || isa == CpuIsa::kAmx;
+  return isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16 ||
+         isa == CpuIsa::kAmx;
 }
 
 }  // namespace hmoe::cpu
