@@ -30,8 +30,8 @@
 // - AVX2+FMA+F16C: for every token exactly the AVX2 GEMV's operations in its order (E4M3 -> F16 by
 //   integer shifts, vcvtph2ps, even/odd F32 FMAs into two accumulators per 128-column block, the
 //   2^8 factor folded into the block scale, the GEMV's 8-lane sum), so bitwise the GEMV too. The
-//   activations are packed by the GEMV; a panel of up to 8 rows is expanded once to F32 in the
-//   GEMV's lane order, chunk-major (512 columns of the panel's rows, 16 KiB, stay in L1); for
+//   activations are packed by the GEMV; a panel of up to 24 rows is expanded once to F32 in the
+//   GEMV's lane order, chunk-major (128 columns of the panel's rows, 12 KiB, stay in L1); for
 //   groups of up to 96 tokens, chunk by chunk, micro-kernels of 2 rows x 3 tokens (12 ymm
 //   accumulators) add each block into 8-lane totals kept in the scratch (fp8_gemm_avx2.cc).
 // - scalar: the portable fallback.
@@ -74,7 +74,7 @@ class Fp8Gemm {
 
   // y[t * y_stride + (r - r_begin)] = (W x_t)[r] for t in [0, m) and r in [r_begin, r_end), from
   // the m tokens packed for w.cols columns. Thread-safe; uses a per-thread scratch buffer
-  // (ScratchBytes: about 1 MiB on AVX-512, about 32 * k + 24 KiB on AVX2, 256 KiB + 512 * m
+  // (ScratchBytes: about 1 MiB on AVX-512, about 96 * k + 72 KiB on AVX2, 256 KiB + 512 * m
   // bytes on AMX).
   void Multiply(const Fp8MatrixView& w, const std::byte* packed, int64_t m, int64_t r_begin,
                 int64_t r_end, float* y, int64_t y_stride) const;

@@ -18,14 +18,14 @@
 //   checked while the panel is expanded (their shifted values are finite and end up overridden).
 // What changes is the reuse. A panel of up to kPanelRows rows (inside one scale block) is expanded
 // once, chunk by chunk when the first group of tokens reaches the chunk: chunk c (columns
-// [c * kChunk, (c + 1) * kChunk)) holds the panel's rows kChunk floats apart, 16 KiB, in L1 while
+// [c * kChunk, (c + 1) * kChunk)) holds the panel's rows kChunk floats apart, 12 KiB, in L1 while
 // a group runs over it (with more than one group, every chunk is kept for the later groups: 32
-// bytes per column, from L2). For each group of up to kGroupTokens tokens the block totals (8 lanes
-// per (row, token)) live in the scratch; chunk by chunk, every tile of kTokens tokens (its
-// activations in L1, the next tile's prefetched) runs kRows x kTokens micro-kernels over the
-// chunk's rows: 2 accumulators per (row, token) = 12 ymm registers, plus the kRows weight vectors
-// and one activation vector. The totals go through memory once per block (the same FMA, on a
-// loaded operand).
+// * kPanelRows bytes per column, from L2). For each group of up to kGroupTokens tokens the block
+// totals (8 lanes per (row, token)) live in the scratch; chunk by chunk, every tile of kTokens
+// tokens (its activations in L1, the next tile's prefetched) runs kRows x kTokens micro-kernels
+// over the chunk's rows: 2 accumulators per (row, token) = 12 ymm registers, plus the kRows weight
+// vectors and one activation vector. The totals go through memory once per block (the same FMA, on
+// a loaded operand).
 
 // GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593) when they
 // are inlined into our functions; the location is inside the intrinsics headers.
@@ -53,11 +53,11 @@ namespace {
 
 constexpr int64_t kBlock = 128;  // scale block (rows and columns)
 constexpr int64_t kStep = 32;    // columns per GEMV step (one load of codes)
-constexpr int64_t kChunk = 512;  // columns per chunk (a multiple of kBlock)
+constexpr int64_t kChunk = 128;  // columns per chunk (a multiple of kBlock)
 constexpr int64_t kChunkBlocks = kChunk / kBlock;
-constexpr int kPanelRows = 8;  // rows expanded at once (kPanelRows * kChunk * 4 B in L1)
-constexpr int kRows = 2;       // rows per micro-tile
-constexpr int kTokens = 3;     // tokens per micro-tile
+constexpr int kPanelRows = 24;  // rows expanded at once (kPanelRows * kChunk * 4 B in L1)
+constexpr int kRows = 2;        // rows per micro-tile
+constexpr int kTokens = 3;      // tokens per micro-tile
 constexpr int64_t kGroupTokens =
     96;  // tokens whose totals live in the scratch (multiple of kTokens)
 constexpr int64_t kTotalFloats = 8;  // one ymm of block totals per (row, token)
