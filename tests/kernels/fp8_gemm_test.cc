@@ -256,14 +256,17 @@ TEST(Fp8GemmTest, All256CodesAndNaN) {
 }
 
 // Where Fp8GemmMatchesGemv says so, the GEMM's results are bitwise the GEMV's (MatVec for up to
-// kMaxMatVecTokens tokens, GemmRows beyond): every k % 128 class (0, < 64, 64, > 64), ragged rows,
-// k on both sides of the amx GEMV's expand-whole-rows limit (2048),
-// row ranges off the scale blocks, and token counts across the GEMM's tiles.
+// kMaxMatVecTokens tokens, GemmRows beyond): every k % 128 class (0, < 64, 64, > 64) and k % 32
+// class, ragged rows, k on both sides of the amx GEMV's expand-whole-rows limit (2048) and across
+// the avx2 GEMM's 512-column chunks, row ranges off the scale blocks and the panels, and token
+// counts across the GEMM's tiles and token groups (avx2: 3 and 96).
 TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
   const struct {
     int64_t rows, cols, m;
-  } kShapes[] = {{7, 128, 5}, {130, 200, 9},      {257, 129, 13}, {64, 192, 4},  {300, 1000, 33},
-                 {50, 64, 1}, {129, 7 * 128, 40}, {40, 2200, 11}, {17, 2049, 3}, {20, 16 * 128, 6}};
+  } kShapes[] = {{7, 128, 5},     {130, 200, 9},     {257, 129, 13},     {64, 192, 4},
+                 {300, 1000, 33}, {50, 64, 1},       {129, 7 * 128, 40}, {40, 2200, 11},
+                 {17, 2049, 3},   {20, 16 * 128, 6}, {23, 530, 200},     {11, 1100, 97},
+                 {9, 17, 100}};
   int checked = 0;
   for (CpuIsa isa : SupportedIsas()) {
     if (!Fp8GemmMatchesGemv(isa)) continue;
@@ -293,6 +296,79 @@ TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
         ++checked;
       }
     }
+  }
+  if (checked == 0) GTEST_SKIP() << "no variant here claims GEMV-exact results";
+}
+
+// Every token count from 1 to 600 (avx2: every remainder of the 3-token tiles and the 96-token
+// groups), bitwise against the GEMV's results for the same tokens (which do not depend on the
+// GEMV's batch either), on a matrix with two 512-column chunks and a ragged last block and step.
+TEST(Fp8GemmTest, MatchesTheGemvBitwiseForEveryTokenCountFrom1To600) {
+  const int64_t rows = 19, cols = 700, max_m = 600;
+  const Problem p = MakeProblem(rows, cols, max_m, 17);
+  int checked = 0;
+  for (CpuIsa isa : SupportedIsas()) {
+    if (!Fp8GemmMatchesGemv(isa)) continue;
+    SCOPED_TRACE(std::string(CpuIsaName(isa)));
+    auto gemm = NewFp8Gemm(isa);
+    auto gemv = NewFp8Gemv(isa);
+    ASSERT_TRUE(gemm.ok() && gemv.ok());
+    const int64_t stride = (*gemv)->PackedBytes(cols);
+    Buffer xg = Allocate(stride * max_m);
+    for (int64_t t = 0; t < max_m; ++t) {
+      (*gemv)->Pack(p.x.data() + t * p.x_stride, cols, 0, cols, xg.get() + t * stride);
+    }
+    std::vector<float> want(max_m * rows);
+    (*gemv)->GemmRows(p.View(), xg.get(), stride, max_m, 0, rows, want.data(), rows);
+    Buffer packed = PackTokens(**gemm, p, max_m, 1);
+    std::vector<float> got(max_m * rows);
+    for (int64_t m = 1; m <= max_m; ++m) {
+      // Packing m tokens gives the first m of the 600 (the layouts are per token or padded
+      // tiles, so pack again only where the tile padding matters).
+      Buffer pm = (*gemm)->TokenTile() == 1 ? nullptr : PackTokens(**gemm, p, m, 1);
+      (*gemm)->Multiply(p.View(), pm ? pm.get() : packed.get(), m, 0, rows, got.data(), rows);
+      ASSERT_EQ(std::memcmp(want.data(), got.data(), m * rows * sizeof(float)), 0) << "m " << m;
+      ++checked;
+    }
+  }
+  if (checked == 0) GTEST_SKIP() << "no variant here claims GEMV-exact results";
+}
+
+// Rows holding NaN codes give the GEMV's NaN, bit for bit, and the other rows its numbers: every
+// code at every position of a 32-column step and a 128-column block, k ragged.
+TEST(Fp8GemmTest, NaNCodesMatchTheGemvBitwise) {
+  const int64_t rows = 256, cols = 300, m = 13;
+  Problem p = MakeProblem(rows, cols, m, 23);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      // Codes (r + c) % 256, but only every third row keeps its NaN codes.
+      uint8_t b = static_cast<uint8_t>(r + c);
+      if (r % 3 != 0 && (b & 0x7f) == 0x7f) --b;
+      p.w[r * p.row_stride + c] = b;
+    }
+  }
+  int checked = 0;
+  for (CpuIsa isa : SupportedIsas()) {
+    if (!Fp8GemmMatchesGemv(isa)) continue;
+    SCOPED_TRACE(std::string(CpuIsaName(isa)));
+    auto gemm = NewFp8Gemm(isa);
+    auto gemv = NewFp8Gemv(isa);
+    ASSERT_TRUE(gemm.ok() && gemv.ok());
+    const int64_t stride = (*gemv)->PackedBytes(cols);
+    Buffer xg = Allocate(stride * m);
+    for (int64_t t = 0; t < m; ++t) {
+      (*gemv)->Pack(p.x.data() + t * p.x_stride, cols, 0, cols, xg.get() + t * stride);
+    }
+    std::vector<float> want(m * rows), got(m * rows);
+    (*gemv)->GemmRows(p.View(), xg.get(), stride, m, 0, rows, want.data(), rows);
+    Buffer packed = PackTokens(**gemm, p, m, 1);
+    (*gemm)->Multiply(p.View(), packed.get(), m, 0, rows, got.data(), rows);
+    ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
+    int nan_rows = 0;
+    for (int64_t r = 0; r < rows; ++r) nan_rows += std::isnan(got[r]) ? 1 : 0;
+    EXPECT_GT(nan_rows, 0);
+    EXPECT_LT(nan_rows, rows);
+    ++checked;
   }
   if (checked == 0) GTEST_SKIP() << "no variant here claims GEMV-exact results";
 }

@@ -179,14 +179,14 @@ int64_t Fp8GemmMinTokens(CpuIsa isa) {
   // Measured with hmoe_gemm_bench (expert gate shape 2048 x 7168, one thread, CPU time, Sapphire
   // Rapids; docs/PERFORMANCE.md). AVX-512 BF16: the GEMM overtakes the GEMV's GemmRows between 16
   // and 24 tokens. AVX-512F: the GEMV-exact GEMM never beats that GEMV (its F32 expansion needs
-  // two vectors per weight vector and the GEMV hides it already). AVX2: between 4 and 8 tokens
-  // (the AVX2 GEMV re-expands every weight per 8 tokens; from 64 tokens on the GEMM is 3x faster).
+  // two vectors per weight vector and the GEMV hides it already). AVX2: the GEMV-exact GEMM
+  // (fp8_gemm_avx2.cc) does not beat the GEMV yet: 0.40-0.49 of the F32 FMA ymm peak vs the GEMV's
+  // 0.52-0.57 for 16-512 tokens (AMD EPYC Zen 5, forced avx2, 1 thread, docs/PERFORMANCE.md).
   switch (isa) {
     case CpuIsa::kScalar:
     case CpuIsa::kAvx512:
-      return INT64_MAX;
     case CpuIsa::kAvx2:
-      return 8;
+      return INT64_MAX;
     case CpuIsa::kAvx512Bf16:
       return 24;
     case CpuIsa::kAmx:
@@ -196,10 +196,11 @@ int64_t Fp8GemmMinTokens(CpuIsa isa) {
 }
 
 bool Fp8GemmMatchesGemv(CpuIsa isa) {
-  // The AVX-512 variants replay the GEMV's per-token operations (fp8_gemm_impl.h); the AVX2
-  // variant puts tokens in the lanes and sums in another order. Checked bitwise by
+  // The AVX2 and AVX-512 variants replay the GEMV's per-token operations (fp8_gemm_avx2.cc,
+  // fp8_gemm_impl.h), the AMX one its tile operations (fp8_amx_impl.h). Checked bitwise by
   // tests/kernels/fp8_gemm_test.cc.
-  return isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16 || isa == CpuIsa::kAmx;
+  return isa == CpuIsa::kAvx2 || isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16 ||
+         isa == CpuIsa::kAmx;
 }
 
 }  // namespace hmoe::cpu

@@ -21,18 +21,19 @@
 //   are packed by that GEMV; a panel of up to 48 rows (one scale block at most, ~1 MiB) is
 //   expanded once into the GEMV's BF16 lane order in L2; micro-kernels of 3 rows x 4 tokens keep
 //   the expanded weight vectors in registers and run the whole K loop with 16-lane block sums and
-//   totals, then the GEMV's lane-sum tree.
+//   totals, then the GEMV's lane-sum tree (fp8_gemm_impl.h).
 // - AMX-BF16 (TDPBF16PS): per token exactly the amx GEMV's tile operations (fp8_amx_impl.h), so
 //   bitwise the GEMV too. Tokens are packed in tiles of 16 in AMX's VNNI layout; a panel of up to
 //   128 rows (one scale block) x 1024 columns is expanded once into L2 as BF16 A tiles, then
 //   every pair of token tiles runs over pairs of 16-row groups (2 x 2 C tiles), the scaled block
 //   sums accumulating in an F32 buffer in the scratch.
-// - AVX2+FMA+F16C: E4M3 -> F16 by integer shifts, vcvtph2ps, F32 FMA, the 2^8 factor folded into
-//   the block scale. Tokens lie in the vector lanes (tiles of 16): for each 128-column block of a
-//   panel of rows (one scale block) the weights are expanded once into L1/L2 as F32, every token
-//   tile (its block of activations in L1) runs an R rows x 16 tokens micro-kernel that broadcasts
-//   each weight, and the block sums are scaled into a per-panel F32 buffer written to y
-//   transposed. Same numerics contract, different summation order than the AVX2 GEMV.
+// - AVX2+FMA+F16C: for every token exactly the AVX2 GEMV's operations in its order (E4M3 -> F16 by
+//   integer shifts, vcvtph2ps, even/odd F32 FMAs into two accumulators per 128-column block, the
+//   2^8 factor folded into the block scale, the GEMV's 8-lane sum), so bitwise the GEMV too. The
+//   activations are packed by the GEMV; a panel of up to 24 rows is expanded once to F32 in the
+//   GEMV's lane order, chunk-major (128 columns of the panel's rows, 12 KiB, stay in L1); for
+//   groups of up to 96 tokens, chunk by chunk, micro-kernels of 2 rows x 3 tokens (12 ymm
+//   accumulators) add each block into 8-lane totals kept in the scratch (fp8_gemm_avx2.cc).
 // - scalar: the portable fallback.
 // Chosen by BestCpuIsa(), which honors HMOE_CPU_ISA. NaN codes (0x7F, 0xFF) decode to NaN in every
 // variant. The AVX-512 BF16 and AMX variants flush BF16 activations below 2^-126 to zero (DAZ).
@@ -73,7 +74,7 @@ class Fp8Gemm {
 
   // y[t * y_stride + (r - r_begin)] = (W x_t)[r] for t in [0, m) and r in [r_begin, r_end), from
   // the m tokens packed for w.cols columns. Thread-safe; uses a per-thread scratch buffer
-  // (ScratchBytes: about 1 MiB on AVX-512, 64 KiB + 512 * m bytes on AVX2, 256 KiB + 512 * m
+  // (ScratchBytes: about 1 MiB on AVX-512, about 96 * k + 72 KiB on AVX2, 256 KiB + 512 * m
   // bytes on AMX).
   void Multiply(const Fp8MatrixView& w, const std::byte* packed, int64_t m, int64_t r_begin,
                 int64_t r_end, float* y, int64_t y_stride) const;
@@ -103,7 +104,7 @@ int64_t Fp8GemmMinTokens(CpuIsa isa);
 // (MatVec / GemmRows) for every token. The engine relies on a token's result not depending on
 // the batch it is computed in (SLP vs resident, DSLP ranks vs one process, a sequence alone or
 // batched: docs/decode_worker.md), so CpuDevice only switches to the GEMM by default where this
-// holds: the AVX-512 and AMX variants (the AVX2 one sums in another order).
+// holds: the AVX2, AVX-512 and AMX variants.
 bool Fp8GemmMatchesGemv(CpuIsa isa);
 
 }  // namespace hmoe::cpu

@@ -1,21 +1,13 @@
 #pragma once
 
-// The SIMD variants of Fp8Gemm (fp8_gemm.h) as one template, included by exactly one file per
+// The AVX-512 variants of Fp8Gemm (fp8_gemm.h) as one template, included by exactly one file per
 // variant, each compiled with its own ISA flags into an anonymous namespace (the copies never meet
 // at link time). Keep standard-library templates out of here: an inline function instantiated with
-// AVX-512 flags could be the copy the linker keeps for the whole program.
+// AVX-512 flags could be the copy the linker keeps for the whole program. (The AVX2 variant is its
+// own file, fp8_gemm_avx2.cc; the AMX one is fp8_gemm_amx.cc.)
 //
-// Before including, define HMOE_FP8_GEMM_VARIANT: 1 = AVX2+FMA+F16C, 2 = AVX-512 F/BW/VL/VBMI
-// (F32 FMA), 3 = AVX-512 BF16 (vdpbf16ps).
-//
-// Layouts (4-byte elements; a "unit" is one column, or a pair of columns for vdpbf16ps):
-// - packed activations: [token tile][unit < ceil(k/128) * units per block][token in tile], zero
-//   beyond k and beyond m; a unit holds the F32 value of the BF16-rounded activation, or for the
-//   BF16 variant the BF16 pair (column 2u in the low half, 2u + 1 in the high half).
-// - expanded weights of a panel's 128-column block: [row < 128][unit], zero beyond k; BF16 pairs
-//   in natural order, or F32 (times 2^-8 on AVX2: E4M3 shifted into a half; the block scale is
-//   multiplied by 2^8 instead).
-// - per-panel sums: F32 [row < 128][token], rows ct_stride floats apart.
+// Before including, define HMOE_FP8_GEMM_VARIANT: 2 = AVX-512 F/BW/VL/VBMI (F32 FMA), 3 = AVX-512
+// BF16 (vdpbf16ps).
 
 // GCC 12 reports its own _mm*_undefined_*() helpers as uninitialized (GCC bug 105593) when they
 // are inlined into our functions; the location is inside the intrinsics headers.
@@ -32,8 +24,8 @@
 #include "common/kernels/cpu/fp8_gemm.h"
 #include "common/kernels/cpu/fp8_gemv.h"
 
-#ifndef HMOE_FP8_GEMM_VARIANT
-#error "define HMOE_FP8_GEMM_VARIANT before including fp8_gemm_impl.h"
+#if !defined(HMOE_FP8_GEMM_VARIANT) || (HMOE_FP8_GEMM_VARIANT != 2 && HMOE_FP8_GEMM_VARIANT != 3)
+#error "define HMOE_FP8_GEMM_VARIANT (2 or 3) before including fp8_gemm_impl.h"
 #endif
 
 #define HMOE_GEMM_INLINE inline __attribute__((always_inline))
@@ -44,107 +36,10 @@
 namespace hmoe::cpu::internal {
 namespace {
 
-constexpr int kVariant = HMOE_FP8_GEMM_VARIANT;
-constexpr bool kBf16 = kVariant == 3;
-constexpr bool kAvx2 = kVariant == 1;
-constexpr int64_t kBlock = 128;                        // scale block (rows and columns)
-constexpr int kLanes = kAvx2 ? 8 : 16;                 // F32 lanes per vector
-constexpr int kGroups = kAvx2 ? 2 : 4;                 // vectors of tokens per tile
-constexpr int64_t kTile = kLanes * kGroups;            // tokens per tile
-constexpr int64_t kUnitCols = kBf16 ? 2 : 1;           // columns per unit
-constexpr int64_t kUnits = kBlock / kUnitCols;         // units per 128-column block
-constexpr int64_t kWRowBytes = kUnits * 4;             // expanded weights per row of a block
-constexpr float kScaleFactor = kAvx2 ? 256.0f : 1.0f;  // undoes the AVX2 expansion's 2^-8
+constexpr bool kBf16 = HMOE_FP8_GEMM_VARIANT == 3;
+constexpr int64_t kBlock = 128;  // scale block (rows and columns)
 
-// float -> BF16 bits, round to nearest even, NaN stays quiet NaN (private copy, see above).
-[[maybe_unused]] uint16_t ToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-[[maybe_unused]] uint32_t Unit(const float* x, int64_t k, int64_t u) {
-  if constexpr (kBf16) {
-    const uint32_t lo = 2 * u < k ? ToBf16(x[2 * u]) : 0;
-    const uint32_t hi = 2 * u + 1 < k ? ToBf16(x[2 * u + 1]) : 0;
-    return lo | (hi << 16);
-  } else {
-    return u < k ? static_cast<uint32_t>(ToBf16(x[u])) << 16 : 0;
-  }
-}
-
-// ------------------------------------------------------------------------- vector primitives
-
-#if HMOE_FP8_GEMM_VARIANT == 1
-using Vec = __m256;
-HMOE_GEMM_INLINE Vec VZero() { return _mm256_setzero_ps(); }
-HMOE_GEMM_INLINE Vec VLoad(const float* p) { return _mm256_load_ps(p); }
-HMOE_GEMM_INLINE void VStore(float* p, Vec v) { _mm256_store_ps(p, v); }
-HMOE_GEMM_INLINE Vec VSet1(float f) { return _mm256_set1_ps(f); }
-HMOE_GEMM_INLINE Vec VMul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-HMOE_GEMM_INLINE Vec VFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-// acc += broadcast(weight unit at w) * a
-HMOE_GEMM_INLINE Vec VDot(Vec acc, const std::byte* w, Vec a) {
-  return _mm256_fmadd_ps(_mm256_broadcast_ss(reinterpret_cast<const float*>(w)), a, acc);
-}
-#else
-using Vec = __m512;
-HMOE_GEMM_INLINE Vec VZero() { return _mm512_setzero_ps(); }
-HMOE_GEMM_INLINE Vec VLoad(const float* p) { return _mm512_load_ps(p); }
-HMOE_GEMM_INLINE void VStore(float* p, Vec v) { _mm512_store_ps(p, v); }
-HMOE_GEMM_INLINE Vec VSet1(float f) { return _mm512_set1_ps(f); }
-HMOE_GEMM_INLINE Vec VMul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-HMOE_GEMM_INLINE Vec VFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-HMOE_GEMM_INLINE Vec VDot(Vec acc, const std::byte* w, Vec a) {
-#if HMOE_FP8_GEMM_VARIANT == 3
-  int32_t pair;
-  std::memcpy(&pair, w, sizeof(pair));
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_castps_si512(a));
-#else
-  return _mm512_fmadd_ps(_mm512_set1_ps(*reinterpret_cast<const float*>(w)), a, acc);
-#endif
-}
-#endif
-
-// ------------------------------------------------------------------------- weight expansion
-
-#if HMOE_FP8_GEMM_VARIANT == 1
-
-// 16 FP8 codes -> 16 floats (value * 2^-8), NaN codes -> NaN.
-HMOE_GEMM_INLINE void Expand16(__m128i codes, float* out) {
-  const __m256i w = _mm256_cvtepu8_epi16(codes);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-  const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f));
-  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
-  _mm256_store_ps(out, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-  _mm256_store_ps(out + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
-}
-
-// Rows [0, rows) x columns [0, cols) (cols <= 128) of the block at w into wb, zero-padded.
-[[maybe_unused]] void ExpandBlock(const uint8_t* w, int64_t row_stride, int rows, int64_t cols,
-                                  std::byte* wb) {
-  for (int r = 0; r < rows; ++r) {
-    const uint8_t* src = w + r * row_stride;
-    float* out = reinterpret_cast<float*>(wb + r * kWRowBytes);
-    for (int64_t c = 0; c < kBlock; c += 16) {
-      __m128i codes;
-      if (c + 16 <= cols) {
-        codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c));
-      } else {
-        alignas(16) uint8_t tmp[16] = {};
-        for (int64_t i = c; i < cols; ++i) tmp[i - c] = src[i];
-        codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-      }
-      Expand16(codes, out + c);
-    }
-  }
-}
-
-#else
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // BF16 bit pattern of the E4M3FN magnitude `code` (0..127); 0x7F is NaN.
 constexpr uint16_t E4M3MagnitudeToBf16(int code) {
@@ -177,156 +72,6 @@ constexpr Bf16Tables MakeTables() {
 
 constexpr Bf16Tables kTables = MakeTables();
 
-// Rows [0, rows) x columns [0, cols) (cols <= 128) of the block at w into wb, zero-padded: per
-// 64 codes, two vpermi2b lookups give the low and high bytes of the BF16 values, the sign is
-// or-ed in, and unpack + a qword permute restore the natural order.
-[[maybe_unused]] void ExpandBlock(const uint8_t* w, int64_t row_stride, int rows, int64_t cols,
-                                  std::byte* wb) {
-  const __m512i lo0 = _mm512_load_si512(kTables.lo);
-  const __m512i lo1 = _mm512_load_si512(kTables.lo + 64);
-  const __m512i hi0 = _mm512_load_si512(kTables.hi);
-  const __m512i hi1 = _mm512_load_si512(kTables.hi + 64);
-  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i index0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-  const __m512i index1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  const __mmask64 mask0 = cols >= 64 ? ~0ull : (1ull << cols) - 1;
-  const __mmask64 mask1 = cols >= 128 ? ~0ull : (cols <= 64 ? 0ull : (1ull << (cols - 64)) - 1);
-  for (int r = 0; r < rows; ++r) {
-    const uint8_t* src = w + r * row_stride;
-    std::byte* out = wb + r * kWRowBytes;
-    HMOE_GEMM_UNROLL
-    for (int c = 0; c < 2; ++c) {
-      const __m512i codes = _mm512_maskz_loadu_epi8(c == 0 ? mask0 : mask1, src + 64 * c);
-      const __m512i lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
-      const __m512i hi =
-          _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, codes, hi1), codes, sign, 0xf8);
-      const __m512i a = _mm512_unpacklo_epi8(lo, hi);
-      const __m512i b = _mm512_unpackhi_epi8(lo, hi);
-      const __m512i w0 = _mm512_permutex2var_epi64(a, index0, b);  // columns 64c .. 64c + 31
-      const __m512i w1 = _mm512_permutex2var_epi64(a, index1, b);  // columns 64c + 32 .. + 63
-#if HMOE_FP8_GEMM_VARIANT == 3
-      _mm512_store_si512(out + 128 * c, w0);
-      _mm512_store_si512(out + 128 * c + 64, w1);
-#else
-      std::byte* o = out + 256 * c;
-      _mm512_store_si512(o,
-                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w0)), 16));
-      _mm512_store_si512(
-          o + 64, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w0, 1)), 16));
-      _mm512_store_si512(o + 128,
-                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w1)), 16));
-      _mm512_store_si512(
-          o + 192, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w1, 1)), 16));
-#endif
-    }
-  }
-}
-
-#endif
-
-// ------------------------------------------------------------------------- micro-kernel
-
-// Rows per micro-tile for G vectors of tokens: R * G accumulators + G activations + a broadcast
-// fit the register file (32 zmm, 16 ymm).
-template <int G>
-constexpr int MicroRows() {
-  if constexpr (kAvx2) return G == 1 ? 12 : 6;
-  return G == 1 ? 16 : (G == 2 ? 12 : (G == 3 ? 8 : 6));
-}
-
-// R rows x G token vectors over one 128-column block: ct[r][g] (+)= scale * sum.
-template <int R, int G>
-__attribute__((noinline)) void Micro(const std::byte* wb, const float* act, float* ct,
-                                     int64_t ct_stride, float scale, bool first) {
-  Vec acc[R][G];
-  HMOE_GEMM_UNROLL
-  for (int r = 0; r < R; ++r) {
-    HMOE_GEMM_UNROLL
-    for (int g = 0; g < G; ++g) acc[r][g] = VZero();
-  }
-  for (int64_t u = 0; u < kUnits; ++u) {
-    Vec a[G];
-    HMOE_GEMM_UNROLL
-    for (int g = 0; g < G; ++g) a[g] = VLoad(act + u * kTile + g * kLanes);
-    const std::byte* wu = wb + u * 4;
-    HMOE_GEMM_UNROLL
-    for (int r = 0; r < R; ++r) {
-      HMOE_GEMM_UNROLL
-      for (int g = 0; g < G; ++g) acc[r][g] = VDot(acc[r][g], wu + r * kWRowBytes, a[g]);
-    }
-  }
-  const Vec s = VSet1(scale);
-  HMOE_GEMM_UNROLL
-  for (int r = 0; r < R; ++r) {
-    HMOE_GEMM_UNROLL
-    for (int g = 0; g < G; ++g) {
-      float* c = ct + r * ct_stride + g * kLanes;
-      VStore(c, first ? VMul(acc[r][g], s) : VFma(acc[r][g], s, VLoad(c)));
-    }
-  }
-}
-
-// The next block to read (prefetched while this one is multiplied), or rows == 0.
-struct NextBlock {
-  const uint8_t* w = nullptr;
-  int64_t row_stride = 0;
-  int64_t rows = 0;
-  int64_t cols = 0;
-};
-
-// Prefetches rows [r0, r1) of `next` into L2. The rows are far apart (one 128-byte piece each), so
-// neither the hardware prefetchers nor the few misses a core keeps in flight would hide the
-// latency of reading the block on demand; the prefetches are spread over the block's
-// micro-kernels, since a burst of them stalls on the fill buffers (measured: without them,
-// 16-token expert GEMMs ran at ~0.4 of the peak, ~0.8 with the weights in L2).
-HMOE_GEMM_INLINE void PrefetchRows(const NextBlock& next, int64_t r0, int64_t r1) {
-  if (r1 > next.rows) r1 = next.rows;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* p = next.w + r * next.row_stride;
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(p + next.cols - 1), _MM_HINT_T1);
-    if (next.cols > 64) _mm_prefetch(reinterpret_cast<const char*>(p + 64), _MM_HINT_T1);
-  }
-}
-
-template <int G>
-void MicroPanel(int rows, const std::byte* wb, const float* act, float* ct, int64_t ct_stride,
-                float scale, bool first, const NextBlock& next) {
-  constexpr int R = MicroRows<G>();
-  int r = 0;
-  for (; r + R <= rows; r += R) {
-    PrefetchRows(next, r, r + R);
-    Micro<R, G>(wb + r * kWRowBytes, act, ct + r * ct_stride, ct_stride, scale, first);
-  }
-  for (; r < rows; ++r) {
-    PrefetchRows(next, r, r + 1);
-    Micro<1, G>(wb + r * kWRowBytes, act, ct + r * ct_stride, ct_stride, scale, first);
-  }
-  PrefetchRows(next, rows, next.rows);
-}
-
-[[maybe_unused]] void MicroPanelG(int g, int rows, const std::byte* wb, const float* act, float* ct,
-                                  int64_t ct_stride, float scale, bool first,
-                                  const NextBlock& next) {
-  switch (g) {
-    case 1:
-      return MicroPanel<1>(rows, wb, act, ct, ct_stride, scale, first, next);
-    case 2:
-      return MicroPanel<2>(rows, wb, act, ct, ct_stride, scale, first, next);
-#if HMOE_FP8_GEMM_VARIANT != 1
-    case 3:
-      return MicroPanel<3>(rows, wb, act, ct, ct_stride, scale, first, next);
-    case 4:
-      return MicroPanel<4>(rows, wb, act, ct, ct_stride, scale, first, next);
-#endif
-    default:
-      __builtin_trap();
-  }
-}
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-#if HMOE_FP8_GEMM_VARIANT != 1
 // ------------------------------------------------------------------------- GEMV-exact kernel
 //
 // The AVX-512 variants compute, for every token, exactly the operations of the same variant of
@@ -610,19 +355,14 @@ void ExactRun(const Fp8MatrixView& w, const std::byte* x, int64_t x_stride, int6
     r0 = r1;
   }
 }
-#endif
 
 class SimdFp8Gemm final : public Fp8Gemm {
  public:
-  // `gemv`: the Fp8Gemv of the same ISA (packs the activations of the AVX-512 variants); not
-  // owned, outlives this object.
+  // `gemv`: the Fp8Gemv of the same ISA (packs the activations); not owned, outlives this object.
   explicit SimdFp8Gemm(const Fp8Gemv* gemv) : gemv_(gemv) {}
 
-  CpuIsa isa() const override {
-    return kAvx2 ? CpuIsa::kAvx2 : (kBf16 ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512);
-  }
+  CpuIsa isa() const override { return kBf16 ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512; }
 
-#if HMOE_FP8_GEMM_VARIANT != 1
   int64_t TokenTile() const override { return 1; }
   int64_t PackedBytes(int64_t m, int64_t k) const override { return m * gemv_->PackedBytes(k); }
   void Pack(const float* x, int64_t x_stride, int64_t, int64_t k, int64_t t_begin, int64_t t_end,
@@ -640,101 +380,9 @@ class SimdFp8Gemm final : public Fp8Gemm {
     if (m <= 0 || r_begin >= r_end) return;
     ExactRun(w, packed, gemv_->PackedBytes(w.cols), m, r_begin, r_end, y, y_stride, scratch);
   }
-#else
-  int64_t TokenTile() const override { return kTile; }
-
-  int64_t PackedBytes(int64_t m, int64_t k) const override {
-    return CeilDiv(m, kTile) * UnitsPadded(k) * kTile * 4;
-  }
-
-  void Pack(const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t t_begin, int64_t t_end,
-            std::byte* packed) const override {
-    const int64_t units = UnitsPadded(k);
-    uint32_t* base = reinterpret_cast<uint32_t*>(packed);
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      uint32_t* dst = base + (t / kTile) * units * kTile + t % kTile;
-      const float* xt = x + t * x_stride;
-      int64_t u = 0;
-#if HMOE_FP8_GEMM_VARIANT == 3
-      // 16 units (32 columns) at a time: vcvtne2ps2bf16 rounds to nearest even like ToBf16 (and
-      // flushes F32 subnormals, which vdpbf16ps would do anyway).
-      for (; 2 * (u + 16) <= k; u += 16) {
-        alignas(64) uint32_t tmp[16];
-        _mm512_store_si512(tmp, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xt + 2 * u + 16),
-                                                             _mm512_loadu_ps(xt + 2 * u)));
-        HMOE_GEMM_UNROLL
-        for (int i = 0; i < 16; ++i) dst[(u + i) * kTile] = tmp[i];
-      }
-#endif
-      for (; u < units; ++u) dst[u * kTile] = Unit(xt, k, u);
-    }
-    if (t_end == m && m % kTile != 0) {
-      // The rest of the last tile: zero tokens.
-      uint32_t* tile = base + (m / kTile) * units * kTile;
-      for (int64_t u = 0; u < units; ++u) {
-        std::memset(tile + u * kTile + m % kTile, 0, (kTile - m % kTile) * 4);
-      }
-    }
-  }
-
-  int64_t ScratchBytes(int64_t m, int64_t) const override {
-    return kBlock * kWRowBytes + kBlock * CtStride(m) * 4;
-  }
-
-  void Run(const Fp8MatrixView& w, const std::byte* packed, int64_t m, int64_t r_begin,
-           int64_t r_end, float* y, int64_t y_stride, std::byte* scratch) const override {
-    if (m <= 0 || r_begin >= r_end) return;
-    const int64_t tiles = CeilDiv(m, kTile);
-    const int64_t units = UnitsPadded(w.cols);
-    const int64_t blocks = CeilDiv(w.cols, kBlock);
-    const int64_t ct_stride = CtStride(m);
-    std::byte* wb = scratch;
-    float* ct = reinterpret_cast<float*>(scratch + kBlock * kWRowBytes);
-    const float* act0 = reinterpret_cast<const float*>(packed);
-    for (int64_t r0 = r_begin; r0 < r_end;) {
-      const int64_t r1 = r_end < (r0 / kBlock + 1) * kBlock ? r_end : (r0 / kBlock + 1) * kBlock;
-      const int rows = static_cast<int>(r1 - r0);
-      const float* scales = w.scale_inv + (r0 / kBlock) * w.scale_stride;
-      for (int64_t kb = 0; kb < blocks; ++kb) {
-        const int64_t cols = w.cols - kb * kBlock < kBlock ? w.cols - kb * kBlock : kBlock;
-        ExpandBlock(w.data + r0 * w.row_stride + kb * kBlock, w.row_stride, rows, cols, wb);
-        NextBlock next;  // prefetched during the first tile
-        if (kb + 1 < blocks) {
-          next = {w.data + r0 * w.row_stride + (kb + 1) * kBlock, w.row_stride, rows,
-                  w.cols - (kb + 1) * kBlock < kBlock ? w.cols - (kb + 1) * kBlock : kBlock};
-        } else if (r1 < r_end) {
-          next = {w.data + r1 * w.row_stride, w.row_stride,
-                  r_end - r1 < kBlock ? r_end - r1 : kBlock, w.cols < kBlock ? w.cols : kBlock};
-        }
-        const float scale = scales[kb] * kScaleFactor;
-        for (int64_t tile = 0; tile < tiles; ++tile) {
-          const int64_t valid = m - tile * kTile < kTile ? m - tile * kTile : kTile;
-          const float* act = act0 + (tile * units + kb * kUnits) * kTile;
-          MicroPanelG(static_cast<int>(CeilDiv(valid, kLanes)), rows, wb, act, ct + tile * kTile,
-                      ct_stride, scale, kb == 0, tile == 0 ? next : NextBlock{});
-        }
-      }
-      // The panel's sums, transposed into y, 16 tokens at a time (one cache line of each row).
-      for (int64_t t0 = 0; t0 < m; t0 += 16) {
-        const int64_t t1 = m < t0 + 16 ? m : t0 + 16;
-        for (int r = 0; r < rows; ++r) {
-          const float* c = ct + r * ct_stride;
-          float* out = y + (r0 - r_begin) + r;
-          for (int64_t t = t0; t < t1; ++t) out[t * y_stride] = c[t];
-        }
-      }
-      r0 = r1;
-    }
-  }
-
-#endif
 
  private:
   const Fp8Gemv* const gemv_;
-  static int64_t UnitsPadded(int64_t k) { return CeilDiv(k, kBlock) * kUnits; }
-  // Floats between rows of the per-panel sums: whole tiles, plus a line so rows do not share L1
-  // sets when the tile count is a power of two.
-  static int64_t CtStride(int64_t m) { return CeilDiv(m, kTile) * kTile + 16; }
 };
 
 }  // namespace
