@@ -255,6 +255,16 @@ TEST(Fp8GemmTest, All256CodesAndNaN) {
   }
 }
 
+// The first m tokens of p packed by the GEMV, PackedBytes(p.cols) apart.
+Buffer PackWithGemv(const Fp8Gemv& gemv, const Problem& p, int64_t m) {
+  const int64_t stride = gemv.PackedBytes(p.cols);
+  Buffer xg = Allocate(stride * m);
+  for (int64_t t = 0; t < m; ++t) {
+    gemv.Pack(p.x.data() + t * p.x_stride, p.cols, 0, p.cols, xg.get() + t * stride);
+  }
+  return xg;
+}
+
 // Where Fp8GemmMatchesGemv says so, the GEMM's results are bitwise the GEMV's (MatVec for up to
 // kMaxMatVecTokens tokens, GemmRows beyond): every k % 128 class (0, < 64, 64, > 64) and k % 32
 // class, ragged rows, k on both sides of the amx GEMV's expand-whole-rows limit (2048) and across
@@ -277,10 +287,7 @@ TEST(Fp8GemmTest, MatchesTheGemvBitwiseWhereItSaysSo) {
     for (const auto& s : kShapes) {
       const Problem p = MakeProblem(s.rows, s.cols, s.m, static_cast<uint32_t>(s.cols + s.m));
       const int64_t stride = (*gemv)->PackedBytes(s.cols);
-      Buffer xg = Allocate(stride * s.m);
-      for (int64_t t = 0; t < s.m; ++t) {
-        (*gemv)->Pack(p.x.data() + t * p.x_stride, s.cols, 0, s.cols, xg.get() + t * stride);
-      }
+      Buffer xg = PackWithGemv(**gemv, p, s.m);
       for (const auto& [r0, r1] : {std::pair<int64_t, int64_t>{0, s.rows}, {1, s.rows - 2}}) {
         std::vector<float> want(s.m * s.rows), got(s.m * s.rows);
         if (s.m <= kMaxMatVecTokens) {
@@ -314,10 +321,7 @@ TEST(Fp8GemmTest, MatchesTheGemvBitwiseForEveryTokenCountFrom1To600) {
     auto gemv = NewFp8Gemv(isa);
     ASSERT_TRUE(gemm.ok() && gemv.ok());
     const int64_t stride = (*gemv)->PackedBytes(cols);
-    Buffer xg = Allocate(stride * max_m);
-    for (int64_t t = 0; t < max_m; ++t) {
-      (*gemv)->Pack(p.x.data() + t * p.x_stride, cols, 0, cols, xg.get() + t * stride);
-    }
+    Buffer xg = PackWithGemv(**gemv, p, max_m);
     std::vector<float> want(max_m * rows);
     (*gemv)->GemmRows(p.View(), xg.get(), stride, max_m, 0, rows, want.data(), rows);
     Buffer packed = PackTokens(**gemm, p, max_m, 1);
@@ -355,10 +359,7 @@ TEST(Fp8GemmTest, NaNCodesMatchTheGemvBitwise) {
     auto gemv = NewFp8Gemv(isa);
     ASSERT_TRUE(gemm.ok() && gemv.ok());
     const int64_t stride = (*gemv)->PackedBytes(cols);
-    Buffer xg = Allocate(stride * m);
-    for (int64_t t = 0; t < m; ++t) {
-      (*gemv)->Pack(p.x.data() + t * p.x_stride, cols, 0, cols, xg.get() + t * stride);
-    }
+    Buffer xg = PackWithGemv(**gemv, p, m);
     std::vector<float> want(m * rows), got(m * rows);
     (*gemv)->GemmRows(p.View(), xg.get(), stride, m, 0, rows, want.data(), rows);
     Buffer packed = PackTokens(**gemm, p, m, 1);

@@ -219,18 +219,7 @@ __attribute__((noinline)) void Tile(const TileArgs& a) {
     HMOE_UNROLL
     for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = ReduceAdd(total[r][t]);
   }
-  const __m256i all_ones = _mm256_cmpeq_epi8(nan_max, nan_max);
-  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(nan_max, all_ones)) != 0) {
-    HMOE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* row = a.w + r * a.row_stride;
-      bool nan = false;
-      for (int64_t c = 0; c < a.k && !nan; ++c) nan = IsNanCode(row[c]);
-      if (!nan) continue;
-      HMOE_UNROLL
-      for (int t = 0; t < N; ++t) a.y[t * a.y_stride + r] = __builtin_nanf("");
-    }
-  }
+  FinishNan<R, N>(a, nan_max);
 }
 
 // Halves of columns [k0, k1) (one 128-column block or the last, shorter one) of the tile's R
